@@ -1,0 +1,101 @@
+"""The tuner's one exception tree.
+
+Per-request failures are data (``RequestRecord.error``), trial failures are states
+(``FailureClass``), and bugs raise. Everything the tuner raises on purpose derives from
+:class:`AutotuneError`::
+
+    AutotuneError
+    ├── ConfigError            a job file, CLI option or engine argument is wrong (user fixes it)
+    │   └── EngineArgError     an engine flag the installed vLLM does not accept
+    ├── TraceError             a trace file is malformed (file, line, field)
+    ├── EngineError            a vLLM server failed; carries the FailureClass and log lines
+    └── ReplayError            the replay could not run (e.g. the client could not keep up)
+"""
+
+from __future__ import annotations
+
+from optimizer.types import FailureClass
+
+__all__ = [
+    "AutotuneError",
+    "ConfigError",
+    "EngineArgError",
+    "EngineError",
+    "ReplayError",
+    "TraceError",
+]
+
+
+class AutotuneError(Exception):
+    """Base of every error the tuner raises on purpose."""
+
+
+class ConfigError(AutotuneError):
+    """A configuration given by the user is invalid; the message says what to change."""
+
+
+class EngineArgError(ConfigError):
+    """An engine argument the installed vLLM does not accept.
+
+    Attributes:
+        flag: The offending flag name.
+        suggestion: The closest accepted flag name, if any.
+    """
+
+    def __init__(self, message: str, *, flag: str, suggestion: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+        self.suggestion = suggestion
+
+
+class TraceError(AutotuneError):
+    """A trace file cannot be read.
+
+    Attributes:
+        path: The file.
+        line: 1-based line number (None when the error concerns the whole file).
+        field: The field at fault, if one.
+    """
+
+    def __init__(
+        self, message: str, *, path: str = "", line: int | None = None, field: str | None = None
+    ) -> None:
+        where = path
+        if line is not None:
+            where += f":{line}"
+        if field:
+            where += f" [{field}]"
+        super().__init__(f"{where}: {message}" if where else message)
+        self.path = path
+        self.line = line
+        self.field = field
+
+
+class EngineError(AutotuneError):
+    """A vLLM server failed to start or died.
+
+    Attributes:
+        failure_class: Why, as a :class:`FailureClass`.
+        log_lines: The relevant lines of the server log.
+        log_path: The full server log.
+        explanation: One paragraph for a user: what happened and what to change.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failure_class: FailureClass,
+        log_lines: tuple[str, ...] = (),
+        log_path: str = "",
+        explanation: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.failure_class = failure_class
+        self.log_lines = log_lines
+        self.log_path = log_path
+        self.explanation = explanation or message
+
+
+class ReplayError(AutotuneError):
+    """The replay itself could not run as asked."""

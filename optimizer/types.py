@@ -1,0 +1,155 @@
+"""Frozen records shared by every part of the tuner (stdlib only).
+
+Records hold raw observations with units in their names; metrics are derived later by pure
+functions in :mod:`objectives`. Times inside one trial come from one monotonic clock and are
+seconds since the replay started, so they can be subtracted from each other and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "EngineConfig",
+    "FailureClass",
+    "MemoryAccount",
+    "RequestRecord",
+    "Trace",
+    "TraceRequest",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a workload, as recorded in production or generated.
+
+    Attributes:
+        arrival_s: Arrival time in seconds since the start of the trace (>= 0, non-decreasing
+            along a trace).
+        input_tokens: Prompt length in tokens (> 0).
+        output_tokens: Number of tokens to generate (> 0); the replay sends it as
+            ``max_tokens`` with ``ignore_eos`` so the server produces exactly this many.
+        prefix_blocks: Hash ids of the prompt's leading blocks of ``Trace.block_size`` tokens.
+            Two requests sharing a block id share those prompt tokens (prefix-cache reuse).
+        session_id: Optional conversation/session identifier.
+    """
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    prefix_blocks: tuple[int, ...] = ()
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """An ordered workload plus the facts needed to interpret it.
+
+    Attributes:
+        requests: Requests sorted by ``arrival_s``.
+        block_size: Tokens per prefix block of ``TraceRequest.prefix_blocks``.
+        source: Where the trace came from (file name and format), for reports.
+    """
+
+    requests: tuple[TraceRequest, ...]
+    block_size: int = 512
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the first to the last arrival (0 for fewer than two requests)."""
+        if len(self.requests) < 2:
+            return 0.0
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Raw observations of one replayed request. Derive metrics with ``objectives``.
+
+    All ``*_s`` times are seconds since the replay clock started.
+
+    Attributes:
+        index: Position of the request in the replayed trace.
+        scheduled_s: When the trace said the request should be sent.
+        sent_s: When the client actually started sending it.
+        first_token_s: Arrival of the first streamed chunk carrying ``choices``; None if none.
+        chunk_times_s: Arrival times of every chunk carrying generated text (first included).
+        end_s: When the response finished (or failed).
+        input_tokens: Prompt tokens sent.
+        output_tokens: Output tokens the server reported (usage) or, without usage, the
+            number of text chunks received.
+        error: None on success; otherwise a short description. An error event inside a 200
+            stream is a failure.
+        warmup: True for requests outside the measured window.
+    """
+
+    index: int
+    scheduled_s: float
+    sent_s: float
+    first_token_s: float | None
+    chunk_times_s: tuple[float, ...]
+    end_s: float
+    input_tokens: int
+    output_tokens: int
+    error: str | None = None
+    warmup: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when the request completed without error."""
+        return self.error is None
+
+
+class FailureClass(enum.StrEnum):
+    """Why an engine (or a trial) failed; stored in Optuna attributes and MLflow tags."""
+
+    OOM_AT_LOAD = "oom_at_load"
+    KV_CACHE_TOO_SMALL = "kv_cache_too_small"
+    INVALID_ARGUMENT = "invalid_argument"
+    CUDA_ERROR = "cuda_error"
+    ENGINE_CRASHED = "engine_crashed"
+    STARTUP_TIMEOUT = "startup_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What to start: a model, engine arguments keyed by ``vllm serve`` flag names, and env.
+
+    Attributes:
+        model: Model path or name, passed as ``--model``.
+        args: Flag name (kebab-case, without ``--``) to value. ``True`` writes the bare flag,
+            ``False`` writes ``--no-<flag>``, ``None`` leaves the flag out, lists repeat it.
+        env: Extra environment variables for the server process.
+    """
+
+    model: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryAccount:
+    """What the engine said about its memory at startup (None where it did not say).
+
+    Attributes:
+        weights_gib: Memory taken by the model weights.
+        kv_cache_gib: Memory available for the KV cache.
+        kv_cache_tokens: KV cache capacity in tokens.
+        max_concurrency: Maximum concurrency for requests of max-model-len tokens.
+        cuda_graph_gib: Memory taken by CUDA graphs (GPU builds).
+        max_model_len: The max-model-len the engine settled on.
+    """
+
+    weights_gib: float | None = None
+    kv_cache_gib: float | None = None
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None
+    cuda_graph_gib: float | None = None
+    max_model_len: int | None = None

@@ -1,0 +1,1 @@
+"""Declarative search spaces over vLLM engine flags (YAML presets and their schema)."""
