@@ -1,0 +1,249 @@
+"""Servable model folders without weights, for ``vllm serve --load-format dummy``.
+
+``make_model`` writes a ``config.json`` with a published architecture (or a tiny one for CPU
+tests), a generation config, and a tokenizer built locally with the ``tokenizers`` package, so
+nothing is downloaded. Random weights generate random token ids, so the tokenizer is built for
+measurement (DESIGN.md §7.11): every id of the model's vocabulary decodes to non-empty text (ids
+0-255 are single bytes, shown as their Latin-1 character; every other id is a distinct short
+word; special tokens keep their visible names when the client asks for them), and text prompts
+encode one byte per token. A streamed completion therefore carries exactly one visible chunk per
+generated token, which is what TTFT and ITL measurements need.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optimizer.errors import ConfigError
+
+__all__ = ["PRESETS", "ModelInfo", "make_model", "model_info"]
+
+_LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+# Architecture numbers as published by the models' authors (config.json of the HF releases).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 4096,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 4094,
+        "eos_token_id": 4095,
+        "_special": {4094: "<s>", 4095: "</s>"},
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA31_ROPE,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "_special": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA31_ROPE,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "_special": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "_special": {151643: "<|endoftext|>", 151645: "<|im_end|>"},
+    },
+}
+
+_BYTE_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a client needs to know to build prompts for a model folder.
+
+    Attributes:
+        vocab_size: Size of the model's vocabulary.
+        special_ids: Ids of special tokens (never put into prompts).
+        prompt_low: Lowest id prompts draw from.
+        prompt_high: One past the highest id prompts draw from.
+        max_position_embeddings: The model's context length.
+    """
+
+    vocab_size: int
+    special_ids: tuple[int, ...]
+    prompt_low: int
+    prompt_high: int
+    max_position_embeddings: int
+
+
+def _word(token_id: int) -> str:
+    # Distinct, short, visible, and never a single character (so it cannot collide with a byte).
+    return f" t{token_id}"
+
+
+def _build_tokenizer(vocab_size: int, special: dict[int, str]) -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab: dict[str, int] = {}
+    for i in range(min(_BYTE_TOKENS, vocab_size)):
+        vocab[chr(i)] = i
+    for i in range(_BYTE_TOKENS, vocab_size):
+        if i not in special:
+            vocab[_word(i)] = i
+    # Special tokens must be in the base vocab so their ids are exactly the published ones.
+    for i, name in special.items():
+        vocab[name] = i
+    # BPE without merges over single characters: ASCII text encodes one byte per token, and
+    # every id decodes to its own non-empty string (Fuse joins tokens without separators).
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special.values()])
+    return tok
+
+
+def make_model(directory: str | Path, preset: str = "tiny", *, max_model_len: int | None = None) -> Path:
+    """Write a servable weight-less model folder for ``--load-format dummy``.
+
+    Args:
+        directory: Folder to write (created if missing; existing files are overwritten).
+        preset: One of :data:`PRESETS`.
+        max_model_len: Optionally lower ``max_position_embeddings`` (useful for CPU demos).
+
+    Returns:
+        The folder.
+
+    Raises:
+        ConfigError: Unknown preset.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    spec = dict(PRESETS[preset])
+    special: dict[int, str] = spec.pop("_special")
+    if max_model_len is not None:
+        spec["max_position_embeddings"] = int(max_model_len)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**spec, "transformers_version": "4.46.0", "use_cache": True,
+              "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+              "initializer_range": 0.02, "pretraining_tp": 1}
+    if spec["model_type"] == "qwen2":
+        config.pop("attention_bias")
+        config.pop("mlp_bias")
+        config.pop("pretraining_tp")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": spec["bos_token_id"],
+        "eos_token_id": spec["eos_token_id"],
+        "do_sample": False,
+    }, indent=2) + "\n")
+    tok = _build_tokenizer(int(spec["vocab_size"]), special)
+    tok.save(str(out / "tokenizer.json"))
+    bos, eos = special[spec["bos_token_id"]], special[spec["eos_token_id"]]
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec["max_position_embeddings"],
+        "vllm_autotune_preset": preset,
+    }, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n")
+    return out
+
+
+def model_info(directory: str | Path) -> ModelInfo:
+    """Read what prompt building needs from a model folder's ``config.json``.
+
+    Prompts draw ids above the byte range and below the first special id, so random prompts
+    never contain special tokens. For models not made by :func:`make_model` the same rule applies
+    to the ids that ``config.json`` names.
+
+    Raises:
+        ConfigError: The folder has no readable ``config.json``.
+    """
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read model config ({exc}); make one with "
+                          "`vllm-autotune make-model DIR --preset tiny`") from exc
+    vocab = int(cfg.get("text_config", cfg).get("vocab_size", 32000))
+    specials: set[int] = set()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = cfg.get(key)
+        if isinstance(value, int):
+            specials.add(value)
+        elif isinstance(value, list):
+            specials.update(int(v) for v in value)
+    below = [s for s in specials if s > _BYTE_TOKENS]
+    high = min(below) if below else vocab
+    return ModelInfo(
+        vocab_size=vocab,
+        special_ids=tuple(sorted(specials)),
+        prompt_low=_BYTE_TOKENS,
+        prompt_high=high,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+    )

@@ -1,0 +1,640 @@
+"""Open-loop replay of a trace against an OpenAI-compatible ``/v1/completions`` server.
+
+:func:`replay` sends every request of a :class:`~optimizer.types.Trace` at its recorded arrival
+time (relative to the first request), whatever the server's state: a slow server gets a queue,
+as in production, instead of a politely waiting client. Everything that costs time is done
+before the clock starts: prompts are built (:mod:`optimizer.workload.prompts`), JSON-encoded and
+wrapped in ready ``httpx.Request`` objects. A single dispatcher sleeps to absolute deadlines on a
+monotonic clock (relative sleeps would accumulate drift) and starts one task per request, which
+streams the response through :class:`~optimizer.workload.sse.SSEParser` and keeps raw
+observations only (:class:`~optimizer.types.RequestRecord`). The client's own fidelity is
+measured too: send lag (sent - scheduled) is summarised in :class:`ReplayResult`, which says
+whether the schedule was kept, so a caller never scores a replay the client distorted
+(DESIGN §3). Every request of the trace is accounted for, including the ones a time limit
+stopped. The clock and the HTTP transport are seams for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from optimizer.errors import ReplayError
+from optimizer.types import RequestRecord, Trace
+from optimizer.workload.prompts import TokenRange, build_prompt_ids
+from optimizer.workload.sse import DoneEvent, ErrorEvent, SSEParser, TextEvent, UsageEvent
+
+__all__ = [
+    "Clock",
+    "MonotonicClock",
+    "ReplayProgress",
+    "ReplayResult",
+    "build_request_bodies",
+    "replay",
+    "run_replay",
+]
+
+logger = logging.getLogger(__name__)
+
+_SNIPPET_CHARS = 200
+_NOT_SENT = "not sent: {reason}"
+_CANCELLED = "cancelled: {reason}"
+_REASON_MAX_DURATION = "max duration reached"
+_REASON_CANCELLED = "replay cancelled"
+
+
+class Clock(Protocol):
+    """Where the replayer gets its time and how it waits (a seam for deterministic tests)."""
+
+    def now(self) -> float:
+        """Current time in seconds on a monotonic scale (the origin is arbitrary)."""
+        ...
+
+    async def sleep_until(self, deadline: float) -> None:
+        """Return at (or as soon as possible after) ``deadline``, on the scale of :meth:`now`."""
+        ...
+
+
+class MonotonicClock:
+    """The real clock: ``time.perf_counter`` and ``asyncio.sleep``.
+
+    ``perf_counter`` is monotonic and, on Linux, the same clock the event loop's timers use, so
+    a sleep ends at the deadline plus the loop's timer granularity (about a millisecond).
+    """
+
+    def now(self) -> float:
+        """Current ``time.perf_counter()``."""
+        return time.perf_counter()
+
+    async def sleep_until(self, deadline: float) -> None:
+        """Sleep until ``deadline`` (no-op if it has passed)."""
+        delay = deadline - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """A snapshot for progress displays.
+
+    Attributes:
+        elapsed_s: Seconds since the replay clock started.
+        total: Requests in the trace.
+        sent: Requests sent so far.
+        completed: Requests finished without error.
+        failed: Requests finished with an error.
+        in_flight: Requests sent and not finished.
+    """
+
+    elapsed_s: float
+    total: int
+    sent: int
+    completed: int
+    failed: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """What a replay observed, plus how faithfully the client kept the schedule.
+
+    Attributes:
+        records: One record per trace request, in trace order.
+        duration_s: Wall seconds from the clock start to the last request's end.
+        p99_send_lag_ms: 99th percentile of ``sent_s - scheduled_s`` over sent requests (a
+            request the replay gave up on after its scheduled time counts with the time it had
+            waited, so a client that fell behind cannot look punctual); 0 if none was sent.
+        max_send_lag_ms: Largest such lag.
+        max_send_lag_bound_ms: The bound ``p99_send_lag_ms`` was judged against.
+        peak_in_flight: Most requests in flight at once.
+        schedule_kept: False when the client distorted the load (P99 lag over the bound, or
+            more requests in flight than connections, so some queued inside the client). A
+            caller must not score such a replay.
+        stopped_early: True when ``max_duration_s`` ended the replay before every request
+            finished.
+        message: Empty when the schedule was kept; otherwise what went wrong and what to do.
+    """
+
+    records: tuple[RequestRecord, ...]
+    duration_s: float
+    p99_send_lag_ms: float
+    max_send_lag_ms: float
+    max_send_lag_bound_ms: float
+    peak_in_flight: int
+    schedule_kept: bool
+    stopped_early: bool
+    message: str = ""
+
+    @property
+    def failed(self) -> int:
+        """Number of records with an error."""
+        return sum(1 for r in self.records if r.error is not None)
+
+
+def _snippet(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "..."
+
+
+def build_request_bodies(
+    trace: Trace,
+    model: str,
+    *,
+    vocab: TokenRange,
+    seed: int,
+    extra_body: Mapping[str, Any] | None = None,
+) -> list[bytes]:
+    """JSON-encode the ``/v1/completions`` body of every request of a trace.
+
+    Each body asks for exactly the trace's output length: ``max_tokens = output_tokens`` with
+    ``ignore_eos``, streamed, with a final usage chunk; the prompt is a token-id list from
+    :func:`~optimizer.workload.prompts.build_prompt_ids`.
+
+    Args:
+        trace: The trace.
+        model: Served model name (the server's ``--served-model-name`` or model path).
+        vocab: Token ids the prompts may use.
+        seed: Prompt seed.
+        extra_body: Fields added to (or overriding) every body, e.g. ``{"temperature": 1.0}``.
+
+    Returns:
+        One body per request, in trace order.
+    """
+    extra = dict(extra_body or {})
+    bodies: list[bytes] = []
+    for index, request in enumerate(trace.requests):
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": build_prompt_ids(
+                request, index, block_size=trace.block_size, seed=seed, vocab=vocab
+            ),
+            "max_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
+        body.update(extra)
+        bodies.append(json.dumps(body, separators=(",", ":")).encode())
+    return bodies
+
+
+class _Run:
+    """State of one replay: the dispatcher, the request tasks and their records."""
+
+    def __init__(
+        self,
+        *,
+        client: httpx.AsyncClient,
+        requests: Sequence[httpx.Request],
+        scheduled_s: Sequence[float],
+        wanted_tokens: Sequence[int],
+        input_tokens: Sequence[int],
+        warmup_requests: int,
+        clock: Clock,
+        progress: Callable[[ReplayProgress], None] | None,
+        progress_interval_s: float,
+    ) -> None:
+        self.client = client
+        self.requests = requests
+        self.scheduled_s = scheduled_s
+        self.wanted_tokens = wanted_tokens
+        self.input_tokens = input_tokens
+        self.warmup_requests = warmup_requests
+        self.clock = clock
+        self.progress = progress
+        self.progress_interval_s = progress_interval_s
+        self.records: list[RequestRecord | None] = [None] * len(requests)
+        self.pending: set[asyncio.Task[None]] = set()
+        self.t0 = 0.0
+        self.cancel_reason = _REASON_CANCELLED
+        self.sent = 0
+        self.completed = 0
+        self.failed = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self._last_progress_s = -float("inf")
+
+    def emit_progress(self, *, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now_s = self.clock.now() - self.t0
+        if not force and now_s - self._last_progress_s < self.progress_interval_s:
+            return
+        self._last_progress_s = now_s
+        self.progress(
+            ReplayProgress(
+                elapsed_s=now_s,
+                total=len(self.requests),
+                sent=self.sent,
+                completed=self.completed,
+                failed=self.failed,
+                in_flight=self.in_flight,
+            )
+        )
+
+    async def main(self) -> None:
+        """Dispatch every request on schedule, then wait for all of them."""
+        clock = self.clock
+        loop = asyncio.get_running_loop()
+        for index, scheduled in enumerate(self.scheduled_s):
+            deadline = self.t0 + scheduled
+            if clock.now() < deadline:
+                await clock.sleep_until(deadline)
+            task = loop.create_task(self._send(index))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+        while self.pending:
+            done, _ = await asyncio.wait(self.pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                exc = None if task.cancelled() else task.exception()
+                if exc is not None:
+                    raise exc
+
+    async def cancel_all(self, main: asyncio.Task[None]) -> None:
+        """Stop dispatching, cancel in-flight requests, and wait until all tasks are gone."""
+        main.cancel()
+        tasks = [main, *self.pending]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _send(self, index: int) -> None:
+        clock = self.clock
+        t0 = self.t0
+        wanted = self.wanted_tokens[index]
+        # Stamped before any await, so the lag includes the dispatcher's and the loop's delay.
+        sent_s = clock.now() - t0
+        self.sent += 1
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self.emit_progress()
+
+        chunk_times: list[float] = []
+        usage_tokens: int | None = None
+        done_s: float | None = None
+        error: str | None = None
+        try:
+            response = await self.client.send(self.requests[index], stream=True)
+            try:
+                if response.status_code != 200:
+                    body = await response.aread()
+                    error = (
+                        f"HTTP {response.status_code}: "
+                        f"{_snippet(body.decode('utf-8', errors='replace'))}"
+                    )
+                else:
+                    parser = SSEParser()
+                    async for data in response.aiter_bytes():
+                        now_s = clock.now() - t0
+                        for event in parser.feed(data):
+                            if isinstance(event, TextEvent):
+                                # A chunk carrying several tokens counts once (as vLLM bench).
+                                if event.text:
+                                    chunk_times.append(now_s)
+                            elif isinstance(event, UsageEvent):
+                                usage_tokens = event.completion_tokens
+                            elif isinstance(event, DoneEvent):
+                                done_s = now_s
+                            elif isinstance(event, ErrorEvent) and error is None:
+                                error = event.message
+                    for event in parser.close():
+                        if isinstance(event, DoneEvent):
+                            done_s = clock.now() - t0
+                        elif isinstance(event, ErrorEvent) and error is None:
+                            error = event.message
+            finally:
+                await response.aclose()
+        except asyncio.CancelledError:
+            error = _CANCELLED.format(reason=self.cancel_reason)
+            self._finish(index, sent_s, chunk_times, usage_tokens, None, error)
+            raise
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {_snippet(str(exc)) or 'no detail'}"
+
+        output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
+        if error is None and done_s is None:
+            error = "stream ended without [DONE]"
+        if error is None and output_tokens < wanted:
+            error = f"short output: {output_tokens} of {wanted} tokens"
+        self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
+
+    def _finish(
+        self,
+        index: int,
+        sent_s: float,
+        chunk_times: list[float],
+        usage_tokens: int | None,
+        done_s: float | None,
+        error: str | None,
+    ) -> None:
+        end_s = done_s if done_s is not None else self.clock.now() - self.t0
+        self.records[index] = RequestRecord(
+            index=index,
+            scheduled_s=self.scheduled_s[index],
+            sent_s=sent_s,
+            first_token_s=chunk_times[0] if chunk_times else None,
+            chunk_times_s=tuple(chunk_times),
+            end_s=end_s,
+            input_tokens=self.input_tokens[index],
+            output_tokens=usage_tokens if usage_tokens is not None else len(chunk_times),
+            error=error,
+            warmup=index < self.warmup_requests,
+        )
+        self.in_flight -= 1
+        if error is None:
+            self.completed += 1
+        else:
+            self.failed += 1
+        self.emit_progress()
+
+    def account_unsent(self, stop_s: float) -> None:
+        """Record the requests that were never sent (the replay stopped before them)."""
+        reason = self.cancel_reason
+        for index, record in enumerate(self.records):
+            if record is None:
+                self.records[index] = RequestRecord(
+                    index=index,
+                    scheduled_s=self.scheduled_s[index],
+                    # Never sent: both times are when the replay gave up on the request.
+                    sent_s=stop_s,
+                    first_token_s=None,
+                    chunk_times_s=(),
+                    end_s=stop_s,
+                    input_tokens=self.input_tokens[index],
+                    output_tokens=0,
+                    error=_NOT_SENT.format(reason=reason),
+                    warmup=index < self.warmup_requests,
+                )
+                self.failed += 1
+
+
+def _judge(
+    records: Sequence[RequestRecord],
+    *,
+    stop_s: float,
+    bound_ms: float,
+    peak_in_flight: int,
+    max_connections: int,
+) -> tuple[float, float, bool, str]:
+    """Summarise send lag and decide whether the client kept the schedule."""
+    lags_ms = []
+    for record in records:
+        if record.error is not None and record.error.startswith("not sent"):
+            # Overdue but never sent: it waited at least until the stop.
+            if record.scheduled_s < stop_s:
+                lags_ms.append((stop_s - record.scheduled_s) * 1e3)
+        else:
+            lags_ms.append((record.sent_s - record.scheduled_s) * 1e3)
+    if lags_ms:
+        p99_ms = float(np.percentile(lags_ms, 99))
+        max_ms = float(max(lags_ms))
+    else:
+        p99_ms = max_ms = 0.0
+    problems = []
+    if p99_ms > bound_ms:
+        problems.append(
+            f"P99 send lag {p99_ms:.1f} ms exceeds the {bound_ms:g} ms bound (max {max_ms:.1f} ms)"
+        )
+    if peak_in_flight > max_connections:
+        problems.append(
+            f"{peak_in_flight} requests were in flight with only {max_connections} "
+            "connections, so some waited inside the client; raise max_connections"
+        )
+    if not problems:
+        return p99_ms, max_ms, True, ""
+    message = (
+        "the replay client could not keep the trace's schedule: "
+        + "; ".join(problems)
+        + ". Do not score this replay: lower the request rate, or spread the trace over "
+        "several client processes."
+    )
+    return p99_ms, max_ms, False, message
+
+
+async def replay(
+    trace: Trace,
+    url: str,
+    model: str,
+    *,
+    vocab: TokenRange,
+    seed: int,
+    warmup_requests: int = 0,
+    max_duration_s: float | None = None,
+    clock: Clock | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: Callable[[ReplayProgress], None] | None = None,
+    endpoint: str = "/v1/completions",
+    max_connections: int = 4096,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float | None = None,
+    max_send_lag_ms: float = 10.0,
+    progress_interval_s: float = 0.2,
+    api_key: str | None = None,
+    extra_body: Mapping[str, Any] | None = None,
+    trust_env: bool = False,
+) -> ReplayResult:
+    """Replay a trace open-loop and record every request.
+
+    Args:
+        trace: The requests, sorted by ``arrival_s``; request ``i`` is scheduled at
+            ``arrival_s - trace.requests[0].arrival_s`` seconds after the clock starts.
+        url: Base URL of the server, e.g. ``http://127.0.0.1:8000``.
+        model: Served model name sent in every body.
+        vocab: Token ids prompts may use (see :class:`~optimizer.workload.prompts.TokenRange`).
+        seed: Prompt seed (see :func:`~optimizer.workload.prompts.build_prompt_ids`).
+        warmup_requests: The first this many requests are marked ``warmup=True``.
+        max_duration_s: Stop after this many seconds: requests not yet sent are recorded as
+            ``"not sent: max duration reached"``, in-flight ones are cancelled and recorded as
+            ``"cancelled: max duration reached"``. None: run until every request finished.
+        clock: Time source and sleeper; :class:`MonotonicClock` when None.
+        transport: httpx transport (tests pass ``httpx.MockTransport``); when given, the
+            connection limits below are the transport's business.
+        progress: Called with a :class:`ReplayProgress` at most once per
+            ``progress_interval_s`` while requests are sent or finish, and once at the end.
+        endpoint: Path of the completions endpoint.
+        max_connections: Connection pool size; must exceed the peak number of requests in
+            flight, or requests queue inside the client and the schedule is not kept.
+        connect_timeout_s: TCP connect timeout.
+        read_timeout_s: Timeout between two reads of a response; None (the default) so a
+            slow first token under heavy load is measured, not cut off.
+        max_send_lag_ms: Bound on the P99 send lag for ``schedule_kept``.
+        progress_interval_s: Minimum seconds between two progress calls.
+        api_key: Sent as a bearer token when given.
+        extra_body: Fields added to every request body.
+        trust_env: Let httpx read proxy settings from the environment; off by default
+            because the replay targets a server the tuner started, and a proxy would distort
+            every latency.
+
+    Returns:
+        The records of all requests in trace order and the client's fidelity.
+
+    Raises:
+        ReplayError: If the trace is empty or an argument is out of range.
+    """
+    if not trace.requests:
+        raise ReplayError("cannot replay an empty trace")
+    if warmup_requests < 0:
+        raise ReplayError(f"warmup_requests must be >= 0, got {warmup_requests}")
+    if max_duration_s is not None and max_duration_s <= 0:
+        raise ReplayError(f"max_duration_s must be positive, got {max_duration_s}")
+    if max_connections <= 0:
+        raise ReplayError(f"max_connections must be positive, got {max_connections}")
+    clock = clock if clock is not None else MonotonicClock()
+
+    first_arrival_s = trace.requests[0].arrival_s
+    scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
+    if any(b < a for a, b in itertools.pairwise(scheduled_s)):
+        raise ReplayError("trace requests must be sorted by arrival_s")
+    bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=extra_body)
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections,
+        keepalive_expiry=60.0,
+    )
+    # pool=None: a request waiting for a connection is a client problem reported through
+    # peak_in_flight, never a timeout; read=None: a slow first token is data.
+    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
+    async with httpx.AsyncClient(
+        base_url=url,
+        transport=transport,
+        limits=limits,
+        timeout=timeout,
+        trust_env=trust_env,
+    ) as client:
+        requests = [
+            client.build_request("POST", endpoint, content=body, headers=headers) for body in bodies
+        ]
+        del bodies
+        run = _Run(
+            client=client,
+            requests=requests,
+            scheduled_s=scheduled_s,
+            wanted_tokens=[r.output_tokens for r in trace.requests],
+            input_tokens=[r.input_tokens for r in trace.requests],
+            warmup_requests=warmup_requests,
+            clock=clock,
+            progress=progress,
+            progress_interval_s=progress_interval_s,
+        )
+        run.t0 = clock.now()
+        main = asyncio.create_task(run.main())
+        timer: asyncio.Task[None] | None = None
+        stopped_early = False
+        try:
+            waiting: set[asyncio.Task[None]] = {main}
+            if max_duration_s is not None:
+                timer = asyncio.create_task(clock.sleep_until(run.t0 + max_duration_s))
+                waiting.add(timer)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if main in done:
+                main.result()  # re-raises a bug in the replayer
+            else:
+                stopped_early = True
+                run.cancel_reason = _REASON_MAX_DURATION
+                await run.cancel_all(main)
+        except BaseException:
+            # Outer cancellation, Ctrl-C or a bug: leave no request task behind.
+            if run.cancel_reason != _REASON_MAX_DURATION:
+                run.cancel_reason = _REASON_CANCELLED
+            await run.cancel_all(main)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+                await asyncio.gather(timer, return_exceptions=True)
+
+    stop_s = clock.now() - run.t0
+    run.account_unsent(stop_s)
+    run.emit_progress(force=True)
+    records = tuple(r for r in run.records if r is not None)
+    ends = [r.end_s for r in records]
+    duration_s = max(ends) if ends else stop_s
+    p99_ms, max_ms, kept, message = _judge(
+        records,
+        stop_s=stop_s,
+        bound_ms=max_send_lag_ms,
+        peak_in_flight=run.peak_in_flight,
+        max_connections=max_connections,
+    )
+    if not kept:
+        logger.warning("%s", message)
+    return ReplayResult(
+        records=records,
+        duration_s=duration_s,
+        p99_send_lag_ms=p99_ms,
+        max_send_lag_ms=max_ms,
+        max_send_lag_bound_ms=max_send_lag_ms,
+        peak_in_flight=run.peak_in_flight,
+        schedule_kept=kept,
+        stopped_early=stopped_early,
+        message=message,
+    )
+
+
+def run_replay(
+    trace: Trace,
+    url: str,
+    model: str,
+    *,
+    vocab: TokenRange,
+    seed: int,
+    warmup_requests: int = 0,
+    max_duration_s: float | None = None,
+    clock: Clock | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    progress: Callable[[ReplayProgress], None] | None = None,
+    endpoint: str = "/v1/completions",
+    max_connections: int = 4096,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float | None = None,
+    max_send_lag_ms: float = 10.0,
+    progress_interval_s: float = 0.2,
+    api_key: str | None = None,
+    extra_body: Mapping[str, Any] | None = None,
+    trust_env: bool = False,
+) -> ReplayResult:
+    """Run :func:`replay` in a fresh event loop (for synchronous callers).
+
+    Ctrl-C cancels the replay: in-flight requests are cancelled, the client is closed, and
+    ``KeyboardInterrupt`` propagates. Arguments are those of :func:`replay`.
+
+    Returns:
+        The :class:`ReplayResult`.
+    """
+    return asyncio.run(
+        replay(
+            trace,
+            url,
+            model,
+            vocab=vocab,
+            seed=seed,
+            warmup_requests=warmup_requests,
+            max_duration_s=max_duration_s,
+            clock=clock,
+            transport=transport,
+            progress=progress,
+            endpoint=endpoint,
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            max_send_lag_ms=max_send_lag_ms,
+            progress_interval_s=progress_interval_s,
+            api_key=api_key,
+            extra_body=extra_body,
+            trust_env=trust_env,
+        )
+    )

@@ -1,0 +1,381 @@
+"""Shaping a trace for one trial: cut a window, compress time, scale the rate, fit lengths.
+
+A production trace rarely fits a trial as recorded: it lasts hours, its prompts exceed the
+model's ``max-model-len``, or its rate is far from what one GPU serves. Each step here is a
+pure function ``Trace -> (Trace, ShapeReport)`` whose report states what it changed (request
+count, rate, length percentiles, prefix reuse, before and after), so a study can say exactly
+which workload it tuned for. :func:`shape` applies the steps a :class:`ShapeSpec` asks for, in
+a fixed order: window, subsample, compress, rate scale, length scale, length clip. The clip
+comes last so ``max_model_len`` holds for the trace that is replayed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from optimizer.errors import ConfigError
+from optimizer.types import Trace, TraceRequest
+from optimizer.workload.stats import inspect_trace
+
+__all__ = [
+    "ShapeReport",
+    "ShapeSpec",
+    "clip_lengths",
+    "compress_time",
+    "scale_lengths",
+    "scale_rate",
+    "shape",
+    "subsample",
+    "time_window",
+]
+
+_REPORTED = (
+    "requests",
+    "duration_s",
+    "mean_rate_rps",
+    "p50_input_tokens",
+    "p95_input_tokens",
+    "p99_input_tokens",
+    "p50_output_tokens",
+    "p95_output_tokens",
+    "p99_output_tokens",
+    "prefix_reuse_ratio",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeReport:
+    """What one shaping step did.
+
+    Attributes:
+        step: The step's name (``window``, ``subsample``, ``compress``, ``rate_scale``,
+            ``length_scale``, ``clip``).
+        detail: The step's parameters in words.
+        changed_requests: Requests removed, or whose arrival or lengths were altered.
+        before: Request count, duration, mean rate, input/output P50/P95/P99 and prefix reuse
+            ratio of the input trace (keys as in :func:`~optimizer.workload.stats.inspect_trace`).
+        after: The same for the output trace.
+    """
+
+    step: str
+    detail: str
+    changed_requests: int
+    before: Mapping[str, float]
+    after: Mapping[str, float]
+
+    def summary(self) -> str:
+        """One line per changed statistic, for logs and the CLI."""
+        lines = [f"{self.step}: {self.detail} ({self.changed_requests} requests changed)"]
+        for key in _REPORTED:
+            old, new = self.before[key], self.after[key]
+            if old != new:
+                lines.append(f"  {key}: {old:g} -> {new:g}")
+        return "\n".join(lines)
+
+
+def _numbers(trace: Trace) -> dict[str, float]:
+    stats = inspect_trace(trace)
+    return {key: float(stats[key]) for key in _REPORTED}
+
+
+def _report(step: str, detail: str, changed: int, before: Trace, after: Trace) -> ShapeReport:
+    return ShapeReport(step, detail, changed, _numbers(before), _numbers(after))
+
+
+def _with(trace: Trace, requests: list[TraceRequest] | tuple[TraceRequest, ...]) -> Trace:
+    return replace(trace, requests=tuple(requests))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def time_window(trace: Trace, start_s: float, end_s: float | None = None) -> tuple[
+    Trace, ShapeReport
+]:
+    """Keep the requests arriving in ``[start_s, end_s)`` and shift them to start at 0 s.
+
+    Arrivals are shifted by ``start_s`` (not by the first kept arrival), so an idle start of
+    the window stays idle.
+
+    Args:
+        trace: The trace.
+        start_s: Window start, seconds on the trace's clock (>= 0).
+        end_s: Window end (exclusive); None for the end of the trace.
+
+    Returns:
+        The windowed trace and its report.
+
+    Raises:
+        ConfigError: The window is empty or inverted.
+    """
+    _check(start_s >= 0, f"window start_s must be >= 0, got {start_s}")
+    _check(end_s is None or end_s > start_s, f"window end_s must be > start_s, got {end_s}")
+    kept = [
+        replace(r, arrival_s=r.arrival_s - start_s)
+        for r in trace.requests
+        if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)
+    ]
+    detail = f"[{start_s:g}, {'end' if end_s is None else f'{end_s:g}'}) s"
+    last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
+    _check(bool(kept), f"window {detail} holds no request (the trace spans 0-{last_s:g} s)")
+    shaped = _with(trace, kept)
+    removed = len(trace) - len(kept)
+    changed = removed + (len(kept) if start_s else 0)  # a shift moves every kept arrival
+    return shaped, _report("window", detail, changed, trace, shaped)
+
+
+def compress_time(
+    trace: Trace, factor: float | None = None, *, target_duration_s: float | None = None
+) -> tuple[Trace, ShapeReport]:
+    """Divide every arrival time by ``factor`` (> 1 compresses, < 1 stretches).
+
+    The duration is divided by the factor and every rate multiplied by it; lengths and order
+    are untouched.
+
+    Args:
+        trace: The trace.
+        factor: The compression factor; give this or ``target_duration_s``.
+        target_duration_s: Choose the factor that makes the trace last this long.
+
+    Returns:
+        The compressed trace and its report.
+
+    Raises:
+        ConfigError: Neither or both given, a non-positive value, or a target duration for a
+            trace without duration.
+    """
+    _check((factor is None) != (target_duration_s is None),
+           "give exactly one of a compression factor and target_duration_s")
+    if target_duration_s is not None:
+        _check(target_duration_s > 0, f"target_duration_s must be > 0, got {target_duration_s}")
+        _check(trace.duration_s > 0, "cannot compress a trace of zero duration to a target")
+        factor = trace.duration_s / target_duration_s
+    assert factor is not None
+    _check(factor > 0 and math.isfinite(factor), f"compression factor must be > 0, got {factor}")
+    return _divide_time(trace, factor, "compress", f"time / {factor:g}")
+
+
+def scale_rate(trace: Trace, rate_scale: float) -> tuple[Trace, ShapeReport]:
+    """Multiply the request rate by ``rate_scale``, by compressing time (same requests).
+
+    Args:
+        trace: The trace.
+        rate_scale: Rate multiplier (> 0); 2 sends the same requests twice as fast.
+
+    Returns:
+        The rescaled trace and its report.
+
+    Raises:
+        ConfigError: ``rate_scale`` is not positive.
+    """
+    _check(rate_scale > 0 and math.isfinite(rate_scale),
+           f"rate_scale must be > 0, got {rate_scale}")
+    return _divide_time(trace, rate_scale, "rate_scale", f"rate x {rate_scale:g}")
+
+
+def _divide_time(trace: Trace, factor: float, step: str, detail: str) -> tuple[
+    Trace, ShapeReport
+]:
+    shaped = _with(trace, [replace(r, arrival_s=r.arrival_s / factor) for r in trace.requests])
+    changed = sum(1 for r in trace.requests if r.arrival_s != 0) if factor != 1 else 0
+    return shaped, _report(step, detail, changed, trace, shaped)
+
+
+def _fit_blocks(request: TraceRequest, input_tokens: int, block_size: int) -> tuple[int, ...]:
+    """The prefix blocks that still lie (at least partly) inside ``input_tokens``."""
+    return request.prefix_blocks[: -(-input_tokens // block_size)]
+
+
+def clip_lengths(
+    trace: Trace, max_model_len: int, *, max_output_tokens: int | None = None
+) -> tuple[Trace, ShapeReport]:
+    """Fit every request into ``max_model_len``: ``input_tokens + output_tokens <= max_model_len``.
+
+    Outputs are clipped first, to ``max_output_tokens`` when given and always to
+    ``max_model_len - 1`` (so one prompt token remains); then inputs are clipped to
+    ``max_model_len - output_tokens``. Prefix blocks beyond the new input length are dropped
+    (a block covers ``block_size`` tokens), so shared prefixes stay consistent.
+
+    Args:
+        trace: The trace.
+        max_model_len: The engine's context length (>= 2).
+        max_output_tokens: Optional further cap on output lengths (>= 1).
+
+    Returns:
+        The clipped trace and its report.
+
+    Raises:
+        ConfigError: A limit is too small.
+    """
+    _check(max_model_len >= 2, f"max_model_len must be >= 2, got {max_model_len}")
+    _check(max_output_tokens is None or max_output_tokens >= 1,
+           f"max_output_tokens must be >= 1, got {max_output_tokens}")
+    output_cap = max_model_len - 1
+    if max_output_tokens is not None:
+        output_cap = min(output_cap, max_output_tokens)
+    clipped: list[TraceRequest] = []
+    changed = 0
+    for request in trace.requests:
+        output_tokens = min(request.output_tokens, output_cap)
+        input_tokens = min(request.input_tokens, max_model_len - output_tokens)
+        if (input_tokens, output_tokens) == (request.input_tokens, request.output_tokens):
+            clipped.append(request)
+            continue
+        changed += 1
+        clipped.append(replace(
+            request,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
+        ))
+    shaped = _with(trace, clipped)
+    detail = f"max_model_len {max_model_len}" + (
+        f", max_output_tokens {max_output_tokens}" if max_output_tokens is not None else ""
+    )
+    return shaped, _report("clip", detail, changed, trace, shaped)
+
+
+def scale_lengths(
+    trace: Trace, input_scale: float = 1.0, output_scale: float = 1.0
+) -> tuple[Trace, ShapeReport]:
+    """Multiply input and output lengths (rounded, at least 1 token).
+
+    When inputs shrink, prefix blocks beyond the new length are dropped; when they grow, the
+    blocks keep covering the prompt's start and the added tokens are fresh.
+
+    Args:
+        trace: The trace.
+        input_scale: Input length multiplier (> 0).
+        output_scale: Output length multiplier (> 0).
+
+    Returns:
+        The rescaled trace and its report.
+
+    Raises:
+        ConfigError: A multiplier is not positive.
+    """
+    _check(input_scale > 0 and math.isfinite(input_scale),
+           f"input length scale must be > 0, got {input_scale}")
+    _check(output_scale > 0 and math.isfinite(output_scale),
+           f"output length scale must be > 0, got {output_scale}")
+    scaled: list[TraceRequest] = []
+    changed = 0
+    for request in trace.requests:
+        input_tokens = max(1, round(request.input_tokens * input_scale))
+        output_tokens = max(1, round(request.output_tokens * output_scale))
+        if (input_tokens, output_tokens) == (request.input_tokens, request.output_tokens):
+            scaled.append(request)
+            continue
+        changed += 1
+        scaled.append(replace(
+            request,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
+        ))
+    shaped = _with(trace, scaled)
+    detail = f"input x {input_scale:g}, output x {output_scale:g}"
+    return shaped, _report("length_scale", detail, changed, trace, shaped)
+
+
+def subsample(trace: Trace, fraction: float, seed: int = 0) -> tuple[Trace, ShapeReport]:
+    """Keep ``round(fraction * len(trace))`` requests chosen at random, in arrival order.
+
+    Arrival times are kept, so the rate drops by ``fraction`` (follow with
+    :func:`scale_rate` to restore it).
+
+    Args:
+        trace: The trace.
+        fraction: Share of requests to keep, in (0, 1].
+        seed: Seed of the ``numpy.random.Generator`` that picks them.
+
+    Returns:
+        The subsampled trace and its report.
+
+    Raises:
+        ConfigError: ``fraction`` is outside (0, 1].
+    """
+    _check(0 < fraction <= 1, f"sample_fraction must be in (0, 1], got {fraction}")
+    keep = round(fraction * len(trace))
+    _check(keep > 0, f"sample_fraction {fraction} of {len(trace)} requests keeps none")
+    rng = np.random.default_rng(seed)
+    chosen = np.sort(rng.choice(len(trace), size=keep, replace=False))
+    shaped = _with(trace, [trace.requests[int(i)] for i in chosen])
+    detail = f"fraction {fraction:g}, seed {seed}"
+    return shaped, _report("subsample", detail, len(trace) - keep, trace, shaped)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSpec:
+    """Which shaping steps to apply; a field left None skips its step.
+
+    Attributes:
+        window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end.
+        sample_fraction: Share of requests to keep (seeded by ``seed``).
+        compress: Time compression factor (> 1 compresses).
+        target_duration_s: Compress (or stretch) to this duration instead of a factor.
+        rate_scale: Request rate multiplier.
+        length_scale: Multiplier applied to both input and output lengths.
+        max_model_len: Clip lengths so that input + output fits.
+        max_output_tokens: Further cap on output lengths (applied with the clip).
+        seed: Seed for subsampling.
+    """
+
+    window_s: tuple[float, float | None] | None = None
+    sample_fraction: float | None = None
+    compress: float | None = None
+    target_duration_s: float | None = None
+    rate_scale: float | None = None
+    length_scale: float | None = None
+    max_model_len: int | None = None
+    max_output_tokens: int | None = None
+    seed: int = 0
+
+
+def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
+    """Apply the steps ``spec`` asks for, in the order window, subsample, compress (factor or
+    target duration), rate scale, length scale, clip.
+
+    Args:
+        trace: The trace.
+        spec: The steps.
+
+    Returns:
+        The shaped trace and one report per applied step, in order.
+
+    Raises:
+        ConfigError: A parameter is invalid (named in the message).
+    """
+    steps: list[Callable[[Trace], tuple[Trace, ShapeReport]]] = []
+    if spec.window_s is not None:
+        start_s, end_s = spec.window_s
+        steps.append(lambda t: time_window(t, start_s, end_s))
+    if spec.sample_fraction is not None:
+        fraction = spec.sample_fraction
+        steps.append(lambda t: subsample(t, fraction, spec.seed))
+    if spec.compress is not None or spec.target_duration_s is not None:
+        steps.append(lambda t: compress_time(t, spec.compress,
+                                             target_duration_s=spec.target_duration_s))
+    if spec.rate_scale is not None:
+        rate_scale = spec.rate_scale
+        steps.append(lambda t: scale_rate(t, rate_scale))
+    if spec.length_scale is not None:
+        length_scale = spec.length_scale
+        steps.append(lambda t: scale_lengths(t, length_scale, length_scale))
+    if spec.max_model_len is not None:
+        max_model_len = spec.max_model_len
+        steps.append(lambda t: clip_lengths(t, max_model_len,
+                                            max_output_tokens=spec.max_output_tokens))
+    elif spec.max_output_tokens is not None:
+        raise ConfigError("max_output_tokens is applied with the clip: set max_model_len too")
+    reports: list[ShapeReport] = []
+    for step in steps:
+        trace, report = step(trace)
+        reports.append(report)
+    return trace, reports

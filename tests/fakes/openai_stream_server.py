@@ -1,0 +1,253 @@
+"""A fake, minimal OpenAI-compatible streaming completions server for loopback tests.
+
+It speaks just enough HTTP/1.1 (keep-alive, Content-Length request bodies, chunked responses)
+on raw ``asyncio`` streams to answer ``POST /v1/completions`` the way vLLM does when asked to
+stream: one ``data:`` chunk per generated token (``max_tokens`` of them, as with
+``ignore_eos``), a final usage chunk when ``stream_options.include_usage`` is set, then
+``data: [DONE]``. It generates nothing and costs almost no CPU, so a loopback replay against it
+measures the *client*: the benchmarks use it to find the request rate a replayer can keep.
+
+It records the arrival time (``time.monotonic()``, the system-wide monotonic clock on Linux, so
+comparable across processes) of every completion request; ``GET /arrivals`` returns them as
+JSON and ``POST /arrivals/reset`` clears them. Also answers ``GET /health`` and
+``GET /v1/models``.
+
+Run it with ``python -m tests.fakes.openai_stream_server --port 8000 [--ttft-ms 0]
+[--itl-ms 0]``; it prints ``listening on <port>`` once it accepts connections (``--port 0``
+picks a free port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from typing import Any
+
+__all__ = ["FakeOpenAIServer", "main"]
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class FakeOpenAIServer:
+    """The fake server.
+
+    Args:
+        host: Address to bind.
+        port: Port to bind (0 picks a free one; read :attr:`port` after :meth:`start`).
+        ttft_s: Delay before the first token chunk.
+        itl_s: Delay between token chunks (0: all chunks in one write).
+        token_text: Text of every token chunk.
+        model: Model name reported by ``/v1/models``.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        ttft_s: float = 0.0,
+        itl_s: float = 0.0,
+        token_text: str = " tok",
+        model: str = "fake-model",
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
+        self.token_text = token_text
+        self.model = model
+        self.arrivals: list[float] = []
+        self.prompt_lengths: list[int] = []
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        """Start listening; returns the bound port."""
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, backlog=4096)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and drop open connections."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                arrival = time.monotonic()
+                request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                method, path, _version = request_line.split(" ", 2)
+                headers = {}
+                for line in header_lines:
+                    if line:
+                        name, _, value = line.partition(":")
+                        headers[name.strip().lower()] = value.strip()
+                length = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(length) if length else b""
+                keep_alive = headers.get("connection", "").lower() != "close"
+                await self._route(method, path, body, arrival, writer)
+                if not keep_alive:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _route(
+        self, method: str, path: str, body: bytes, arrival: float, writer: asyncio.StreamWriter
+    ) -> None:
+        if method == "POST" and path == "/v1/completions":
+            await self._completions(body, arrival, writer)
+        elif method == "GET" and path == "/health":
+            self._respond(writer, 200, b"")
+        elif method == "GET" and path == "/v1/models":
+            models = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            self._respond(writer, 200, json.dumps(models).encode())
+        elif method == "GET" and path == "/arrivals":
+            self._respond(writer, 200, json.dumps(self.arrivals).encode())
+        elif method == "POST" and path == "/arrivals/reset":
+            self.arrivals.clear()
+            self.prompt_lengths.clear()
+            self._respond(writer, 200, b"{}")
+        else:
+            self._respond(writer, 404, b'{"error": {"message": "not found"}}')
+        await writer.drain()
+
+    def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+        writer.write(
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+    async def _completions(self, body: bytes, arrival: float, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(body)
+            n_tokens = int(request.get("max_tokens") or 16)
+            prompt = request.get("prompt", "")
+        except (ValueError, TypeError, AttributeError):
+            self._respond(writer, 400, b'{"error": {"message": "bad request body"}}')
+            return
+        self.arrivals.append(arrival)
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        self.prompt_lengths.append(prompt_tokens)
+        created = int(time.time())
+        if not request.get("stream"):
+            text = self.token_text * n_tokens
+            answer = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": created,
+                "model": request.get("model", self.model),
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n_tokens,
+                    "total_tokens": prompt_tokens + n_tokens,
+                },
+            }
+            if self.ttft_s:
+                await asyncio.sleep(self.ttft_s + self.itl_s * (n_tokens - 1))
+            self._respond(writer, 200, json.dumps(answer).encode())
+            return
+
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        if self.ttft_s:
+            await writer.drain()
+            await asyncio.sleep(self.ttft_s)
+        for i in range(n_tokens):
+            last = i == n_tokens - 1
+            event = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": created,
+                "model": request.get("model", self.model),
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": self.token_text,
+                        "logprobs": None,
+                        "finish_reason": "length" if last else None,
+                    }
+                ],
+                "usage": None,
+            }
+            writer.write(_chunk(_sse(event)))
+            if self.itl_s and not last:
+                await writer.drain()
+                await asyncio.sleep(self.itl_s)
+        if (request.get("stream_options") or {}).get("include_usage"):
+            usage = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": created,
+                "model": request.get("model", self.model),
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n_tokens,
+                    "total_tokens": prompt_tokens + n_tokens,
+                },
+            }
+            writer.write(_chunk(_sse(usage)))
+        writer.write(_chunk(_sse("[DONE]")) + b"0\r\n\r\n")
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    server = FakeOpenAIServer(
+        args.host, args.port, ttft_s=args.ttft_ms / 1e3, itl_s=args.itl_ms / 1e3
+    )
+    port = await server.start()
+    print(f"listening on {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
+    parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between tokens")
+    asyncio.run(_amain(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
