@@ -108,6 +108,7 @@ _INVALID = re.compile(
     r"error: unrecognized arguments|error: argument |invalid choice|ValidationError"
     r"|ValueError|NotImplementedError|is not supported|must be (?:greater|less|at least|a multiple)"
 )
+_CAUSE = re.compile(r"Value error, |error: |Error: |ValueError: |RuntimeError: ")
 _KV_NUMBERS = re.compile(
     r"max seq len \((?P<len>\d+)\), \((?P<need>[\d.]+) GiB KV cache is needed.*?"
     r"available KV cache memory \((?P<avail>[\d.]+) GiB\)(?:.*?estimated maximum model length is "
@@ -131,6 +132,9 @@ def classify_failure(log_text: str, *, exit_code: int | None) -> tuple[FailureCl
     ):
         hits = [ln for ln in lines if pattern.search(ln)]
         if hits:
+            # The line that states the cause beats the traceback lines around it.
+            best = [ln for ln in hits if _CAUSE.search(ln)]
+            hits = hits + best[-1:]
             relevant = tuple(dict.fromkeys(hits[-5:] + lines[-_LOG_TAIL_LINES:]))
             return cls, relevant, _explain(cls, "\n".join(hits))
     tail = tuple(lines[-_LOG_TAIL_LINES:])
@@ -547,8 +551,12 @@ def running_engine(config: EngineConfig, **kwargs: Any) -> Iterator[EngineProces
         yield engine
 
 
-def cpu_engine_env(kv_cache_gib: float = 1.0, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment the CPU build needs (DESIGN.md §7.7): an explicit KV cache size in GiB."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
+def cpu_engine_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment the CPU build needs (DESIGN.md §7.7): an explicit KV cache size.
+
+    The CPU build reads whole GiB only; finer sizes go through the ``kv-cache-memory-bytes``
+    engine argument.
+    """
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(kv_cache_gib)))}
     env.update(extra or {})
     return env
