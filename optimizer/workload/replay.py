@@ -17,6 +17,8 @@ stopped. The clock and the HTTP transport are seams for tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import itertools
 import json
 import logging
@@ -117,8 +119,8 @@ class ReplayResult:
         max_send_lag_bound_ms: The bound ``p99_send_lag_ms`` was judged against.
         peak_in_flight: Most requests in flight at once.
         schedule_kept: False when the client distorted the load (P99 lag over the bound, or
-            more requests in flight than connections, so some queued inside the client). A
-            caller must not score such a replay.
+            a request found every connection of its pool busy and queued inside the client).
+            A caller must not score such a replay.
         stopped_early: True when ``max_duration_s`` ended the replay before every request
             finished.
         message: Empty when the schedule was kept; otherwise what went wrong and what to do.
@@ -143,6 +145,17 @@ class ReplayResult:
 def _snippet(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "..."
+
+
+def _preload_lazy_imports() -> None:
+    """Import what httpx's stack imports on its first connection, before the clock starts.
+
+    httpcore picks its network backend, and anyio its event-loop backend, on first use; the
+    imports take tens of milliseconds that would otherwise land on the first sends.
+    """
+    for name in ("httpcore._backends.anyio", "anyio._backends._asyncio"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def build_request_bodies(
@@ -194,7 +207,8 @@ class _Run:
     def __init__(
         self,
         *,
-        client: httpx.AsyncClient,
+        clients: Sequence[httpx.AsyncClient],
+        connections_per_client: int,
         requests: Sequence[httpx.Request],
         scheduled_s: Sequence[float],
         wanted_tokens: Sequence[int],
@@ -204,7 +218,11 @@ class _Run:
         progress: Callable[[ReplayProgress], None] | None,
         progress_interval_s: float,
     ) -> None:
-        self.client = client
+        self.clients = clients
+        self.connections_per_client = connections_per_client
+        # Requests in flight per client: more than its connections means queueing in its pool.
+        self.in_flight_per_client = [0] * len(clients)
+        self.pool_overflow = 0
         self.requests = requests
         self.scheduled_s = scheduled_s
         self.wanted_tokens = wanted_tokens
@@ -274,9 +292,13 @@ class _Run:
         wanted = self.wanted_tokens[index]
         # Stamped before any await, so the lag includes the dispatcher's and the loop's delay.
         sent_s = clock.now() - t0
+        shard = index % len(self.clients)
         self.sent += 1
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self.in_flight_per_client[shard] += 1
+        if self.in_flight_per_client[shard] > self.connections_per_client:
+            self.pool_overflow += 1
         self.emit_progress()
 
         chunk_times: list[float] = []
@@ -284,7 +306,7 @@ class _Run:
         done_s: float | None = None
         error: str | None = None
         try:
-            response = await self.client.send(self.requests[index], stream=True)
+            response = await self.clients[shard].send(self.requests[index], stream=True)
             try:
                 if response.status_code != 200:
                     body = await response.aread()
@@ -317,6 +339,7 @@ class _Run:
         except asyncio.CancelledError:
             error = _CANCELLED.format(reason=self.cancel_reason)
             self._finish(index, sent_s, chunk_times, usage_tokens, None, error)
+            self.in_flight_per_client[shard] -= 1
             raise
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {_snippet(str(exc)) or 'no detail'}"
@@ -327,6 +350,7 @@ class _Run:
         if error is None and output_tokens < wanted:
             error = f"short output: {output_tokens} of {wanted} tokens"
         self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
+        self.in_flight_per_client[shard] -= 1
 
     def _finish(
         self,
@@ -383,7 +407,7 @@ def _judge(
     *,
     stop_s: float,
     bound_ms: float,
-    peak_in_flight: int,
+    pool_overflow: int,
     max_connections: int,
 ) -> tuple[float, float, bool, str]:
     """Summarise send lag and decide whether the client kept the schedule."""
@@ -405,10 +429,11 @@ def _judge(
         problems.append(
             f"P99 send lag {p99_ms:.1f} ms exceeds the {bound_ms:g} ms bound (max {max_ms:.1f} ms)"
         )
-    if peak_in_flight > max_connections:
+    if pool_overflow:
         problems.append(
-            f"{peak_in_flight} requests were in flight with only {max_connections} "
-            "connections, so some waited inside the client; raise max_connections"
+            f"{pool_overflow} requests found every connection of their pool busy "
+            f"(max_connections={max_connections}) and waited inside the client; "
+            "raise max_connections"
         )
     if not problems:
         return p99_ms, max_ms, True, ""
@@ -435,6 +460,7 @@ async def replay(
     progress: Callable[[ReplayProgress], None] | None = None,
     endpoint: str = "/v1/completions",
     max_connections: int = 4096,
+    client_shards: int = 16,
     connect_timeout_s: float = 10.0,
     read_timeout_s: float | None = None,
     max_send_lag_ms: float = 10.0,
@@ -462,8 +488,10 @@ async def replay(
         progress: Called with a :class:`ReplayProgress` at most once per
             ``progress_interval_s`` while requests are sent or finish, and once at the end.
         endpoint: Path of the completions endpoint.
-        max_connections: Connection pool size; must exceed the peak number of requests in
+        max_connections: Connections in all; must exceed the peak number of requests in
             flight, or requests queue inside the client and the schedule is not kept.
+        client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
+            (requests go round-robin); keeps httpx's per-request pool overhead small.
         connect_timeout_s: TCP connect timeout.
         read_timeout_s: Timeout between two reads of a response; None (the default) so a
             slow first token under heavy load is measured, not cut off.
@@ -487,8 +515,11 @@ async def replay(
         raise ReplayError(f"warmup_requests must be >= 0, got {warmup_requests}")
     if max_duration_s is not None and max_duration_s <= 0:
         raise ReplayError(f"max_duration_s must be positive, got {max_duration_s}")
-    if max_connections <= 0:
-        raise ReplayError(f"max_connections must be positive, got {max_connections}")
+    if max_connections <= 0 or client_shards <= 0:
+        raise ReplayError(
+            f"max_connections and client_shards must be positive, "
+            f"got {max_connections} and {client_shards}"
+        )
     clock = clock if clock is not None else MonotonicClock()
 
     first_arrival_s = trace.requests[0].arrival_s
@@ -500,27 +531,41 @@ async def replay(
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
 
+    shards = max(1, min(client_shards, max_connections))
+    connections_per_client = -(-max_connections // shards)
     limits = httpx.Limits(
-        max_connections=max_connections,
-        max_keepalive_connections=max_connections,
+        max_connections=connections_per_client,
+        max_keepalive_connections=connections_per_client,
         keepalive_expiry=60.0,
     )
     # pool=None: a request waiting for a connection is a client problem reported through
-    # peak_in_flight, never a timeout; read=None: a slow first token is data.
+    # schedule_kept, never a timeout; read=None: a slow first token is data.
     timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
-    async with httpx.AsyncClient(
-        base_url=url,
-        transport=transport,
-        limits=limits,
-        timeout=timeout,
-        trust_env=trust_env,
-    ) as client:
+    _preload_lazy_imports()
+    async with contextlib.AsyncExitStack() as stack:
+        # Several small pools instead of one big one: httpcore's pool bookkeeping costs
+        # O(connections^2) per request and event (encode/httpx#3215), so one pool of
+        # thousands of connections cannot keep a schedule of a few hundred requests/s.
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url,
+                    transport=transport,
+                    limits=limits,
+                    timeout=timeout,
+                    trust_env=trust_env,
+                )
+            )
+            for _ in range(shards)
+        ]
         requests = [
-            client.build_request("POST", endpoint, content=body, headers=headers) for body in bodies
+            clients[index % shards].build_request("POST", endpoint, content=body, headers=headers)
+            for index, body in enumerate(bodies)
         ]
         del bodies
         run = _Run(
-            client=client,
+            clients=clients,
+            connections_per_client=connections_per_client,
             requests=requests,
             scheduled_s=scheduled_s,
             wanted_tokens=[r.output_tokens for r in trace.requests],
@@ -567,7 +612,7 @@ async def replay(
         records,
         stop_s=stop_s,
         bound_ms=max_send_lag_ms,
-        peak_in_flight=run.peak_in_flight,
+        pool_overflow=run.pool_overflow,
         max_connections=max_connections,
     )
     if not kept:
@@ -599,6 +644,7 @@ def run_replay(
     progress: Callable[[ReplayProgress], None] | None = None,
     endpoint: str = "/v1/completions",
     max_connections: int = 4096,
+    client_shards: int = 16,
     connect_timeout_s: float = 10.0,
     read_timeout_s: float | None = None,
     max_send_lag_ms: float = 10.0,
@@ -629,6 +675,7 @@ def run_replay(
             progress=progress,
             endpoint=endpoint,
             max_connections=max_connections,
+            client_shards=client_shards,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_send_lag_ms=max_send_lag_ms,

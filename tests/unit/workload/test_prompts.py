@@ -13,7 +13,9 @@ VOCAB = TokenRange(256, 32_000)
 BLOCK = 16
 
 
-def ids(request: TraceRequest, index: int, *, seed: int = 7, vocab: TokenRange = VOCAB) -> list[int]:
+def ids(
+    request: TraceRequest, index: int, *, seed: int = 7, vocab: TokenRange = VOCAB
+) -> list[int]:
     return build_prompt_ids(request, index, block_size=BLOCK, seed=seed, vocab=vocab)
 
 

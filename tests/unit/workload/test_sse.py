@@ -93,10 +93,8 @@ def test_usage_on_a_choice_chunk_gives_both() -> None:
 def test_vllm_error_event_inside_200_stream() -> None:
     # Current vLLM: ErrorResponse(error=ErrorInfo(...)).model_dump()
     raw = (
-        chunk(" a")
-        + 'data: {"error": {"message": "engine dead", "type": "InternalServerError",'
-        ' "param": null, "code": 500}}\n\n'
-        + DONE
+        chunk(" a") + 'data: {"error": {"message": "engine dead", "type": "InternalServerError",'
+        ' "param": null, "code": 500}}\n\n' + DONE
     ).encode()
     events = parse_all([raw])
     assert events[0] == TextEvent(" a")
