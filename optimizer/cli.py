@@ -171,6 +171,195 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_shaping(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shaping (applied in this order: window, sample, compress, rate, lengths, clip)")
+    g.add_argument("--format", default="auto", help="trace format (default: detect)")
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip and count malformed rows instead of failing on the first")
+    g.add_argument("--window", default=None, metavar="START:END",
+                   help="keep requests arriving in [START, END) seconds (END may be empty)")
+    g.add_argument("--sample", type=float, default=None, metavar="FRACTION",
+                   help="keep this share of requests (seeded)")
+    g.add_argument("--compress", type=float, default=None, metavar="FACTOR",
+                   help="divide inter-arrival times by FACTOR")
+    g.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="compress (or stretch) the trace to last SECONDS")
+    g.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate")
+    g.add_argument("--length-scale", type=float, default=None, help="multiply input and output lengths")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="clip lengths so input + output fits this context")
+    g.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
+    g.add_argument("--seed", type=int, default=0, help="seed for sampling and prompts")
+
+
+def shape_spec_from(ns: argparse.Namespace) -> Any:
+    """Build a ShapeSpec from the shaping options."""
+    from optimizer.workload.shaping import ShapeSpec
+
+    window = None
+    if ns.window:
+        start, sep, end = ns.window.partition(":")
+        try:
+            window = (float(start or 0), float(end) if end else None)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"--window {ns.window!r}: expected START:END in seconds, e.g. 0:600")
+    return ShapeSpec(
+        window_s=window, sample_fraction=ns.sample, compress=ns.compress,
+        target_duration_s=ns.duration, rate_scale=ns.rate_scale, length_scale=ns.length_scale,
+        max_model_len=ns.max_model_len, max_output_tokens=ns.max_output_tokens, seed=ns.seed,
+    )
+
+
+def load_shaped_trace(ns: argparse.Namespace) -> tuple[Any, list[str]]:
+    """Read, then shape, the trace the options name; returns it and report lines."""
+    from optimizer.workload.formats import read_trace
+    from optimizer.workload.shaping import shape
+
+    trace, report = read_trace(ns.trace, ns.format, skip_bad_rows=ns.skip_bad_rows)
+    lines = [report.summary()]
+    shaped, reports = shape(trace, shape_spec_from(ns))
+    lines += [r.summary() for r in reports]
+    return shaped, lines
+
+
+def cmd_trace_inspect(ns: argparse.Namespace) -> int:
+    from optimizer.workload.formats import read_trace
+    from optimizer.workload.stats import inspect_trace, render_inspect
+
+    trace, report = read_trace(ns.trace, ns.format, skip_bad_rows=ns.skip_bad_rows)
+    stats = inspect_trace(trace)
+    if ns.json:
+        print(json.dumps({"stats": stats, "read": report.summary()}, indent=2, sort_keys=True))
+    else:
+        console.print(report.summary())
+        console.print(render_inspect(stats))
+    return 0
+
+
+def cmd_trace_convert(ns: argparse.Namespace) -> int:
+    from optimizer.workload.formats import export_vllm_custom, write_trace
+    from optimizer.workload.stats import inspect_trace, render_inspect
+
+    trace, lines = load_shaped_trace(ns)
+    for line in lines:
+        console.print(line)
+    if ns.to == "vllm-custom":
+        bench_args = export_vllm_custom(trace, ns.out)
+        console.print(f"wrote {ns.out}; replay it with: vllm bench serve {' '.join(bench_args)}")
+    else:
+        write_trace(trace, ns.out)
+        console.print(f"wrote {len(trace)} requests to {ns.out}")
+    console.print(render_inspect(inspect_trace(trace), title="Converted trace"))
+    return 0
+
+
+def _summary_table(summary: dict[str, float], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("mean", justify="right")
+    table.add_column("p50", justify="right")
+    table.add_column("p95", justify="right")
+    table.add_column("p99", justify="right")
+    for fam, label in (("ttft", "TTFT (ms)"), ("ttft_from_scheduled", "TTFT from schedule (ms)"),
+                       ("tpot", "TPOT (ms)"), ("itl", "ITL (ms)"), ("e2el", "E2EL (ms)"),
+                       ("send_lag", "send lag (ms)")):
+        cells = [summary.get(f"{k}_{fam}_ms", float("nan")) for k in ("mean", "p50", "p95", "p99")]
+        table.add_row(label, *(f"{v:.1f}" for v in cells))
+    return table
+
+
+def cmd_replay(ns: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from objectives import parse_slo, summarize
+    from optimizer.modelgen import model_info
+    from optimizer.trial import run_trial, write_records
+    from optimizer.types import TrialSpec, TrialStatus
+    from optimizer.workload.prompts import TokenRange
+    from optimizer.workload.replay import ReplayProgress, run_replay
+
+    if bool(ns.url) == bool(ns.model):
+        raise ConfigError("give exactly one of --url (a running server) or --model (start one)")
+    slos = [parse_slo(s) for s in ns.slo]
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace, lines = load_shaped_trace(ns)
+    for line in lines:
+        console.print(f"[dim]{line}[/]")
+    if len(trace) == 0:
+        raise ConfigError(f"{ns.trace}: no request left after shaping")
+    served = ns.served_model or ns.model
+    if ns.token_range:
+        low, _, high = ns.token_range.partition(":")
+        token_range = (int(low), int(high))
+    elif ns.model and Path(ns.model).is_dir():
+        info = model_info(ns.model)
+        token_range = (info.prompt_low, info.prompt_high)
+    else:
+        token_range = (1000, 30000)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console,
+                  # Rendering holds the GIL: a slow refresh keeps the replay's send lag low.
+                  refresh_per_second=2) as bar:
+        task = bar.add_task("replay", total=len(trace), detail="")
+
+        def on_progress(p: ReplayProgress) -> None:
+            bar.update(task, completed=p.completed + p.failed,
+                       detail=f"sent {p.sent} in-flight {p.in_flight} failed {p.failed}")
+
+        if ns.url:
+            if not served:
+                raise ConfigError("--url needs --served-model (the model name the server serves)")
+            result = run_replay(
+                trace, ns.url, served, vocab=TokenRange(*token_range), seed=ns.seed,
+                warmup_requests=ns.warmup, max_duration_s=ns.max_duration, progress=on_progress,
+            )
+            summary = dict(summarize(result.records, slos=slos))
+            summary["p99_send_lag_ms"] = result.p99_send_lag_ms
+            write_records(result.records, out / "records.jsonl.gz")
+            kept, message = result.schedule_kept, result.message
+        else:
+            config, notes = engine_config_for(
+                ns.model, parse_engine_args(ns.engine_arg), python=ns.python,
+                kv_cache_gib=ns.kv_cache_gib,
+            )
+            for note in notes:
+                console.print(f"[dim]{note}[/]")
+            bar.update(task, detail="starting the engine ...")
+            spec = TrialSpec(
+                number=0, engine=config, trace=trace, workdir=str(out),
+                token_range=token_range, seed=ns.seed, warmup_requests=ns.warmup,
+                max_duration_s=ns.max_duration, slos=tuple(ns.slo), python=ns.python,
+            )
+            trial = run_trial(spec, progress=on_progress)
+            if trial.status is TrialStatus.FAILED:
+                err_console.print(f"[bold red]engine failed: {trial.failure_class}[/]\n{trial.message}")
+                for line in trial.log_lines[:8]:
+                    err_console.print(f"  [dim]{line[:240]}[/]")
+                return 1
+            summary = dict(trial.summary)
+            kept = trial.status is TrialStatus.COMPLETE
+            message = trial.message
+            if trial.startup_s:
+                summary["startup_s"] = trial.startup_s
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    console.print(_summary_table(summary, f"replay of {len(trace)} requests"))
+    console.print(
+        f"completed {summary['completed']}  failed {summary['failed']}  "
+        f"duration {summary['duration_s']:.1f} s  output {summary['output_throughput']:.1f} tok/s  "
+        f"requests {summary['request_throughput']:.2f}/s"
+        + (f"  goodput {summary['request_goodput']:.2f}/s" if "request_goodput" in summary else "")
+    )
+    console.print(f"wrote {out / 'summary.json'} and {out / 'records.jsonl.gz'}")
+    if not kept:
+        err_console.print(f"[bold yellow]the client could not keep the schedule:[/] {message}")
+        return 3
+    return 0
+
+
 # --- wiring -----------------------------------------------------------------------------------
 
 
@@ -203,6 +392,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="server log file (default: in --workdir)")
     p.set_defaults(func=cmd_engine_check)
 
+    tr = sub.add_parser("trace", help="inspect and convert traces").add_subparsers(
+        dest="trace_cmd", required=True)
+    p = tr.add_parser("inspect", help="rate, burstiness, lengths and prefix reuse of a trace")
+    p.add_argument("trace")
+    p.add_argument("--format", default="auto")
+    p.add_argument("--skip-bad-rows", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_trace_inspect)
+    p = tr.add_parser("convert", help="import (and shape) a trace into canonical JSONL")
+    p.add_argument("trace")
+    p.add_argument("out")
+    p.add_argument("--to", default="canonical", choices=["canonical", "vllm-custom"],
+                   help="canonical JSONL, or vLLM's custom dataset for `vllm bench serve`")
+    _add_shaping(p)
+    p.set_defaults(func=cmd_trace_convert)
+
+    p = sub.add_parser("replay", help="replay a trace open-loop against a vLLM server and measure it")
+    p.add_argument("--trace", required=True)
+    p.add_argument("--url", default=None, help="a running server's base URL")
+    p.add_argument("--served-model", default=None, help="model name the server serves (with --url)")
+    p.add_argument("--model", default=None, help="start a server for this model folder or name")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--python", default=None)
+    p.add_argument("--kv-cache-gib", type=int, default=None)
+    p.add_argument("--token-range", default=None, metavar="LOW:HIGH",
+                   help="token ids prompts may use (default: from the model folder)")
+    p.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
+    p.add_argument("--max-duration", type=float, default=None, help="stop the replay after SECONDS")
+    p.add_argument("--slo", action="append", default=[], help="e.g. p95_ttft_ms<=500 (for goodput)")
+    p.add_argument("--out", required=True, help="folder for records.jsonl.gz and summary.json")
+    _add_shaping(p)
+    p.set_defaults(func=cmd_replay)
     return parser
 
 

@@ -19,6 +19,9 @@ __all__ = [
     "RequestRecord",
     "Trace",
     "TraceRequest",
+    "TrialResult",
+    "TrialSpec",
+    "TrialStatus",
 ]
 
 
@@ -153,3 +156,88 @@ class MemoryAccount:
     max_concurrency: float | None = None
     cuda_graph_gib: float | None = None
     max_model_len: int | None = None
+
+
+class TrialStatus(enum.StrEnum):
+    """How a trial ended.
+
+    ``complete``: measured and scored. ``failed``: the engine failed (crash, OOM, KV cache too
+    small, timeout): a result that marks the edge of the feasible region. ``infeasible``: stopped
+    early because its SLOs could no longer be met. ``invalid_replay``: the client could not keep
+    the schedule; never scored, retried. ``rejected``: an invalid combination caught before any
+    engine started.
+    """
+
+    COMPLETE = "complete"
+    FAILED = "failed"
+    INFEASIBLE = "infeasible"
+    INVALID_REPLAY = "invalid_replay"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class TrialSpec:
+    """Everything one trial needs; picklable, so it can travel to a Ray actor.
+
+    Attributes:
+        number: The Optuna trial number.
+        engine: What to start.
+        trace: The shaped trace to replay.
+        workdir: Folder for this trial's log and records.
+        token_range: ``(low, high)`` ids prompts may use.
+        seed: Prompt seed (fresh per trial, so no prompt is served from an earlier cache).
+        warmup_requests: Leading requests excluded from the measured window.
+        max_duration_s: Replay time limit (None: until every request finished).
+        slos: SLO strings, e.g. ``("p95_ttft_ms<=500",)``, for goodput and early stopping.
+        early_stop: Stop the replay once the SLOs can no longer be met.
+        startup_timeout_s: Engine startup limit.
+        python: Interpreter with vLLM (None: the current one).
+        max_send_lag_ms: Bound on the client's P99 send lag for a valid replay.
+    """
+
+    number: int
+    engine: EngineConfig
+    trace: Trace
+    workdir: str
+    token_range: tuple[int, int]
+    seed: int = 0
+    warmup_requests: int = 0
+    max_duration_s: float | None = None
+    slos: tuple[str, ...] = ()
+    early_stop: bool = False
+    startup_timeout_s: float = 900.0
+    python: str | None = None
+    max_send_lag_ms: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class TrialResult:
+    """What one trial observed.
+
+    Attributes:
+        number: The Optuna trial number.
+        status: How it ended.
+        summary: Metrics (``objectives.summarize`` keys); empty when nothing was measured.
+        records: Raw per-request records (empty when the engine never served).
+        failure_class: Why it failed, for ``failed`` trials.
+        message: One paragraph for a user.
+        startup_s: Launch to healthy.
+        replay_s: Wall time of the replay.
+        memory: The engine's memory account.
+        server_metrics: Selected ``/metrics`` values after the replay (preemptions, ...).
+        log_path: The engine log.
+        log_lines: Relevant log lines of a failure.
+    """
+
+    number: int
+    status: TrialStatus
+    summary: Mapping[str, float] = field(default_factory=dict)
+    records: tuple[RequestRecord, ...] = ()
+    failure_class: FailureClass | None = None
+    message: str = ""
+    startup_s: float | None = None
+    replay_s: float | None = None
+    memory: MemoryAccount | None = None
+    server_metrics: Mapping[str, float] = field(default_factory=dict)
+    log_path: str = ""
+    log_lines: tuple[str, ...] = ()

@@ -40,6 +40,7 @@ __all__ = [
     "MonotonicClock",
     "ReplayProgress",
     "ReplayResult",
+    "ReplaySnapshot",
     "build_request_bodies",
     "replay",
     "run_replay",
@@ -106,13 +107,29 @@ class ReplayProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplaySnapshot:
+    """What a running replay has seen so far, for early-stop decisions.
+
+    Attributes:
+        now_s: Seconds since the replay clock started.
+        finished: Records of the requests that finished (any order).
+        in_flight_sent_s: Send times of the requests still in flight.
+    """
+
+    now_s: float
+    finished: tuple[RequestRecord, ...]
+    in_flight_sent_s: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayResult:
     """What a replay observed, plus how faithfully the client kept the schedule.
 
     Attributes:
         records: One record per trace request, in trace order.
         duration_s: Wall seconds from the clock start to the last request's end.
-        p99_send_lag_ms: 99th percentile of ``sent_s - scheduled_s`` over sent requests (a
+        p99_send_lag_ms: 99th percentile of ``sent_s - scheduled_s`` over sent measured
+            (non-warm-up) requests (a
             request the replay gave up on after its scheduled time counts with the time it had
             waited, so a client that fell behind cannot look punctual); 0 if none was sent.
         max_send_lag_ms: Largest such lag.
@@ -121,8 +138,8 @@ class ReplayResult:
         schedule_kept: False when the client distorted the load (P99 lag over the bound, or
             a request found every connection of its pool busy and queued inside the client).
             A caller must not score such a replay.
-        stopped_early: True when ``max_duration_s`` ended the replay before every request
-            finished.
+        stopped_early: True when ``max_duration_s`` or ``stop_check`` ended the replay before
+            every request finished.
         message: Empty when the schedule was kept; otherwise what went wrong and what to do.
     """
 
@@ -135,6 +152,7 @@ class ReplayResult:
     schedule_kept: bool
     stopped_early: bool
     message: str = ""
+    stop_reason: str = ""
 
     @property
     def failed(self) -> int:
@@ -195,6 +213,9 @@ def build_request_bodies(
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": 0.0,
+            # Every generated token must stream as visible text, special ones included
+            # (DESIGN.md §7.11): an invisible token would shift TTFT and ITL.
+            "skip_special_tokens": False,
         }
         body.update(extra)
         bodies.append(json.dumps(body, separators=(",", ":")).encode())
@@ -232,6 +253,8 @@ class _Run:
         self.progress = progress
         self.progress_interval_s = progress_interval_s
         self.records: list[RequestRecord | None] = [None] * len(requests)
+        self.finished: list[RequestRecord] = []
+        self.in_flight_sent: dict[int, float] = {}
         self.pending: set[asyncio.Task[None]] = set()
         self.t0 = 0.0
         self.cancel_reason = _REASON_CANCELLED
@@ -278,6 +301,20 @@ class _Run:
                 if exc is not None:
                     raise exc
 
+    async def watch(self, stop_check: Callable[[ReplaySnapshot], str | None], interval_s: float) -> str:
+        """Poll ``stop_check`` until it returns a reason; returns that reason."""
+        while True:
+            await self.clock.sleep_until(self.clock.now() + interval_s)
+            reason = stop_check(
+                ReplaySnapshot(
+                    now_s=self.clock.now() - self.t0,
+                    finished=tuple(self.finished),
+                    in_flight_sent_s=tuple(self.in_flight_sent.values()),
+                )
+            )
+            if reason:
+                return reason
+
     async def cancel_all(self, main: asyncio.Task[None]) -> None:
         """Stop dispatching, cancel in-flight requests, and wait until all tasks are gone."""
         main.cancel()
@@ -294,6 +331,7 @@ class _Run:
         sent_s = clock.now() - t0
         shard = index % len(self.clients)
         self.sent += 1
+        self.in_flight_sent[index] = sent_s
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         self.in_flight_per_client[shard] += 1
@@ -362,7 +400,8 @@ class _Run:
         error: str | None,
     ) -> None:
         end_s = done_s if done_s is not None else self.clock.now() - self.t0
-        self.records[index] = RequestRecord(
+        self.in_flight_sent.pop(index, None)
+        record = self.records[index] = RequestRecord(
             index=index,
             scheduled_s=self.scheduled_s[index],
             sent_s=sent_s,
@@ -374,6 +413,7 @@ class _Run:
             error=error,
             warmup=index < self.warmup_requests,
         )
+        self.finished.append(record)
         self.in_flight -= 1
         if error is None:
             self.completed += 1
@@ -410,9 +450,15 @@ def _judge(
     pool_overflow: int,
     max_connections: int,
 ) -> tuple[float, float, bool, str]:
-    """Summarise send lag and decide whether the client kept the schedule."""
+    """Summarise send lag and decide whether the client kept the schedule.
+
+    Only the measured window counts: warm-up requests absorb the client's cold start (first
+    connections, first-call code paths) as they absorb the server's.
+    """
     lags_ms = []
     for record in records:
+        if record.warmup:
+            continue
         if record.error is not None and record.error.startswith("not sent"):
             # Overdue but never sent: it waited at least until the stop.
             if record.scheduled_s < stop_s:
@@ -468,6 +514,8 @@ async def replay(
     api_key: str | None = None,
     extra_body: Mapping[str, Any] | None = None,
     trust_env: bool = False,
+    stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
+    stop_check_interval_s: float = 0.5,
 ) -> ReplayResult:
     """Replay a trace open-loop and record every request.
 
@@ -502,6 +550,10 @@ async def replay(
         trust_env: Let httpx read proxy settings from the environment; off by default
             because the replay targets a server the tuner started, and a proxy would distort
             every latency.
+        stop_check: Called every ``stop_check_interval_s`` with a :class:`ReplaySnapshot`;
+            returning a reason stops the replay like ``max_duration_s`` does (early stop of a
+            trial whose SLOs can no longer be met), with the reason in ``stop_reason``.
+        stop_check_interval_s: Seconds between two ``stop_check`` calls.
 
     Returns:
         The records of all requests in trace order and the client's fidelity.
@@ -578,29 +630,39 @@ async def replay(
         run.t0 = clock.now()
         main = asyncio.create_task(run.main())
         timer: asyncio.Task[None] | None = None
+        watcher: asyncio.Task[str] | None = None
         stopped_early = False
+        stop_reason = ""
         try:
-            waiting: set[asyncio.Task[None]] = {main}
+            waiting: set[asyncio.Task[Any]] = {main}
             if max_duration_s is not None:
                 timer = asyncio.create_task(clock.sleep_until(run.t0 + max_duration_s))
                 waiting.add(timer)
+            if stop_check is not None:
+                watcher = asyncio.create_task(run.watch(stop_check, stop_check_interval_s))
+                waiting.add(watcher)
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if main in done:
                 main.result()  # re-raises a bug in the replayer
             else:
                 stopped_early = True
-                run.cancel_reason = _REASON_MAX_DURATION
+                if watcher is not None and watcher in done:
+                    stop_reason = watcher.result()
+                    run.cancel_reason = f"early stop: {stop_reason}"
+                else:
+                    stop_reason = run.cancel_reason = _REASON_MAX_DURATION
                 await run.cancel_all(main)
         except BaseException:
             # Outer cancellation, Ctrl-C or a bug: leave no request task behind.
-            if run.cancel_reason != _REASON_MAX_DURATION:
+            if not stopped_early:
                 run.cancel_reason = _REASON_CANCELLED
             await run.cancel_all(main)
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
-                await asyncio.gather(timer, return_exceptions=True)
+            for side in (timer, watcher):
+                if side is not None:
+                    side.cancel()
+                    await asyncio.gather(side, return_exceptions=True)
 
     stop_s = clock.now() - run.t0
     run.account_unsent(stop_s)
@@ -627,6 +689,7 @@ async def replay(
         schedule_kept=kept,
         stopped_early=stopped_early,
         message=message,
+        stop_reason=stop_reason,
     )
 
 
@@ -652,6 +715,8 @@ def run_replay(
     api_key: str | None = None,
     extra_body: Mapping[str, Any] | None = None,
     trust_env: bool = False,
+    stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
+    stop_check_interval_s: float = 0.5,
 ) -> ReplayResult:
     """Run :func:`replay` in a fresh event loop (for synchronous callers).
 
@@ -683,5 +748,7 @@ def run_replay(
             api_key=api_key,
             extra_body=extra_body,
             trust_env=trust_env,
+            stop_check=stop_check,
+            stop_check_interval_s=stop_check_interval_s,
         )
     )

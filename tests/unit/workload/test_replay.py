@@ -269,6 +269,26 @@ def test_max_duration_accounts_for_every_request() -> None:
     assert result.schedule_kept
 
 
+def test_stop_check_ends_the_replay_with_its_reason_and_accounts_for_everything() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock, itl_s=0.4)
+    trace = make_trace([float(i) for i in range(10)])
+    seen: list[ReplaySnapshot] = []
+
+    def stop_after_three(snap: ReplaySnapshot) -> str | None:
+        seen.append(snap)
+        return "3 requests done" if len(snap.finished) >= 3 else None
+
+    result = run(trace, server, clock, stop_check=stop_after_three, stop_check_interval_s=0.5)
+    assert result.stopped_early and result.stop_reason == "3 requests done"
+    assert len(result.records) == 10
+    assert sum(r.ok for r in result.records) == 3
+    assert all(r.error and "early stop: 3 requests done" in r.error for r in result.records[3:])
+    # Snapshots saw in-flight requests with their send times.
+    assert any(s.in_flight_sent_s for s in seen)
+    assert all(t <= s.now_s for s in seen for t in s.in_flight_sent_s)
+
+
 def test_max_duration_longer_than_trace_changes_nothing() -> None:
     clock = FakeClock()
     result = run(make_trace([0.0, 1.0]), FakeServer(clock), clock, max_duration_s=100.0)
