@@ -360,6 +360,118 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _make_runner(kind: str, plan: Any, ray_address: str | None) -> Any:
+    from optimizer.runners import LocalRunner, RayRunner
+
+    if kind == "local":
+        return LocalRunner()
+    capacity = 1 if plan.context.cpu_build else plan.job.parallel
+    return RayRunner(ray_address or plan.job.ray_address, capacity=capacity)
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from optimizer.config import load_job
+    from optimizer.report import front_table, study_status
+    from optimizer.study import StudyDriver, StudyEvent, prepare
+
+    overrides: dict[str, Any] = {}
+    job, base = load_job(ns.job)
+    if ns.trials is not None:
+        overrides["trials"] = ns.trials
+    if ns.budget is not None:
+        overrides["budget"] = ns.budget
+    if ns.until is not None:
+        overrides["until"] = ns.until
+    if ns.ray_address is not None:
+        overrides["ray_address"] = ns.ray_address
+    if overrides:
+        job, base = load_job({**job.model_dump(), **overrides}, base=base)
+    with console.status("checking the job against the installed vLLM ..."):
+        plan = prepare(job, base)
+    console.print(f"study [bold]{job.name}[/] -> {plan.out}  ({plan.vllm}; storage {plan.storage_url})")
+    for note in plan.trace_notes:
+        console.print(f"[dim]{note}[/]")
+    t0 = time.monotonic()
+    runner = _make_runner(ns.runner, plan, job.ray_address)
+    driver: StudyDriver | None = None
+
+    def on_event(ev: StudyEvent) -> None:
+        elapsed = time.monotonic() - t0
+        if ev.kind == "started":
+            console.print(f"[cyan]trial {ev.number}[/] started: {ev.detail}")
+        elif ev.kind == "finished" and ev.result is not None:
+            r = ev.result
+            s = r.summary
+            text = f"[cyan]trial {ev.number}[/] {r.status.value}"
+            if r.failure_class:
+                text += f" ({r.failure_class.value})"
+            if s.get("completed"):
+                text += (f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
+                         f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
+                         f"{s.get('output_throughput', 0):.1f} tok/s")
+            if r.startup_s:
+                text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
+            console.print(text)
+            if r.message and r.status.value != "complete":
+                console.print(f"  [dim]{r.message[:300]}[/]")
+        elif ev.kind in ("rejected", "retry", "stale"):
+            console.print(f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}")
+        if driver is not None and ev.kind in ("finished", "rejected"):
+            st = study_status(driver.study)
+            left = driver.budget_left()
+            best = ", ".join(f"{k} {v:,.1f}" for k, v in st.best.items()) or "-"
+            console.print(
+                f"  [dim]done {st.done} running {st.running} failed {st.failed} "
+                f"infeasible {st.infeasible} | elapsed {elapsed / 60:.1f} min"
+                + (f", budget left {left.total_seconds() / 60:.0f} min" if left is not None else "")
+                + f" | front {st.front_size} | best {best}[/]"
+            )
+
+    try:
+        driver = StudyDriver(plan, runner, on_event=on_event)
+        tracker = _tracker_for(plan, ns)
+        if tracker is not None:
+            driver.on_event = _chain(on_event, tracker.on_event)
+        study = driver.run()
+        if tracker is not None:
+            tracker.finish(study)
+    finally:
+        runner.close()
+    console.print(front_table(study))
+    console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
+    return 0
+
+
+def _chain(*handlers: Any) -> Any:
+    def call(ev: Any) -> None:
+        for h in handlers:
+            h(ev)
+
+    return call
+
+
+def _tracker_for(plan: Any, ns: argparse.Namespace) -> Any:
+    return None
+
+
+def cmd_show(ns: argparse.Namespace) -> int:
+    import optuna
+
+    from optimizer.report import front_table, status_table
+    from optimizer.study import create_storage
+
+    folder = Path(ns.dir)
+    plan_file = folder / "plan.json"
+    if not plan_file.exists():
+        raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
+    plan = json.loads(plan_file.read_text())
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
+    console.print(status_table(study))
+    console.print(front_table(study))
+    return 0
+
+
 # --- wiring -----------------------------------------------------------------------------------
 
 
@@ -424,6 +536,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for records.jsonl.gz and summary.json")
     _add_shaping(p)
     p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")
+    p.add_argument("job", help="job YAML file")
+    p.add_argument("--trials", type=int, default=None, help="override the job's trial count")
+    p.add_argument("--budget", default=None, help="stop launching after e.g. 8h or 90m")
+    p.add_argument("--until", default=None, help="stop launching at local time HH:MM")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    p.add_argument("--runner", default="ray", choices=["ray", "local"],
+                   help="ray: one actor per trial pinned to its GPUs (default); local: in-process")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_show)
     return parser
 
 

@@ -17,7 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from objectives import parse_slo, summarize
+from objectives import Slo, parse_slo, summarize
+from objectives.early_stop import EarlyStopper, Observations
 from optimizer.engine import EngineProcess
 from optimizer.errors import EngineError
 from optimizer.types import (
@@ -28,7 +29,7 @@ from optimizer.types import (
     TrialStatus,
 )
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, run_replay
+from optimizer.workload.replay import ReplayProgress, ReplaySnapshot, run_replay
 
 __all__ = ["SERVER_METRICS", "read_records", "run_trial", "write_records"]
 
@@ -101,6 +102,7 @@ def run_trial(
         if on_engine_ready is not None:
             on_engine_ready(engine)
         memory = engine.memory_account()
+        stop_check = _early_stop(spec, slos) if spec.early_stop else None
         t0 = time.monotonic()
         replay = run_replay(
             spec.trace,
@@ -112,6 +114,7 @@ def run_trial(
             max_duration_s=spec.max_duration_s,
             progress=progress,
             max_send_lag_ms=spec.max_send_lag_ms,
+            stop_check=stop_check,
         )
         replay_s = time.monotonic() - t0
         server_metrics = _scrape(engine)
@@ -127,14 +130,43 @@ def run_trial(
             ))
         summary = dict(summarize(replay.records, slos=slos))
         summary["p99_send_lag_ms"] = replay.p99_send_lag_ms
-        status = TrialStatus.COMPLETE if replay.schedule_kept else TrialStatus.INVALID_REPLAY
+        message = replay.message
+        if not replay.schedule_kept:
+            status = TrialStatus.INVALID_REPLAY
+        elif replay.stopped_early and replay.stop_reason.startswith(_EARLY):
+            # Partial evidence is kept; the summary covers what was measured before the stop.
+            status = TrialStatus.INFEASIBLE
+            message = replay.stop_reason
+        else:
+            status = TrialStatus.COMPLETE
         return _finish(spec, TrialResult(
             number=spec.number, status=status, summary=summary, records=replay.records,
-            message=replay.message, startup_s=engine.startup_s, replay_s=replay_s,
+            message=message, startup_s=engine.startup_s, replay_s=replay_s,
             memory=memory, server_metrics=server_metrics, log_path=str(engine.log_path),
         ))
     finally:
         engine.stop()
+
+
+_EARLY = "SLO out of reach: "
+
+
+def _early_stop(spec: TrialSpec, slos: list[Slo]) -> Callable[[ReplaySnapshot], str | None] | None:
+    """A replay stop check that fires once the trial's SLOs can no longer be met."""
+    expected = max(0, len(spec.trace) - spec.warmup_requests)
+    stopper = EarlyStopper(slos, expected)
+    if not stopper.active():
+        return None
+
+    def check(snap: ReplaySnapshot) -> str | None:
+        obs = Observations.from_records(
+            snap.finished, now_s=snap.now_s, in_flight_sent_s=snap.streaming_sent_s,
+            waiting_sent_s=snap.waiting_sent_s,
+        )
+        reason = stopper.check(obs)
+        return _EARLY + reason if reason else None
+
+    return check
 
 
 def _scrape(engine: EngineProcess) -> dict[str, float]:

@@ -113,12 +113,15 @@ class ReplaySnapshot:
     Attributes:
         now_s: Seconds since the replay clock started.
         finished: Records of the requests that finished (any order).
-        in_flight_sent_s: Send times of the requests still in flight.
+        waiting_sent_s: Send times of measured (non-warm-up) requests in flight that have no
+            first token yet.
+        streaming_sent_s: Send times of measured requests in flight that are streaming.
     """
 
     now_s: float
     finished: tuple[RequestRecord, ...]
-    in_flight_sent_s: tuple[float, ...]
+    waiting_sent_s: tuple[float, ...]
+    streaming_sent_s: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +258,7 @@ class _Run:
         self.records: list[RequestRecord | None] = [None] * len(requests)
         self.finished: list[RequestRecord] = []
         self.in_flight_sent: dict[int, float] = {}
+        self.streaming: set[int] = set()
         self.pending: set[asyncio.Task[None]] = set()
         self.t0 = 0.0
         self.cancel_reason = _REASON_CANCELLED
@@ -305,11 +309,13 @@ class _Run:
         """Poll ``stop_check`` until it returns a reason; returns that reason."""
         while True:
             await self.clock.sleep_until(self.clock.now() + interval_s)
+            measured = [(i, t) for i, t in self.in_flight_sent.items() if i >= self.warmup_requests]
             reason = stop_check(
                 ReplaySnapshot(
                     now_s=self.clock.now() - self.t0,
                     finished=tuple(self.finished),
-                    in_flight_sent_s=tuple(self.in_flight_sent.values()),
+                    waiting_sent_s=tuple(t for i, t in measured if i not in self.streaming),
+                    streaming_sent_s=tuple(t for i, t in measured if i in self.streaming),
                 )
             )
             if reason:
@@ -360,6 +366,8 @@ class _Run:
                             if isinstance(event, TextEvent):
                                 # A chunk carrying several tokens counts once (as vLLM bench).
                                 if event.text:
+                                    if not chunk_times:
+                                        self.streaming.add(index)
                                     chunk_times.append(now_s)
                             elif isinstance(event, UsageEvent):
                                 usage_tokens = event.completion_tokens
@@ -401,6 +409,7 @@ class _Run:
     ) -> None:
         end_s = done_s if done_s is not None else self.clock.now() - self.t0
         self.in_flight_sent.pop(index, None)
+        self.streaming.discard(index)
         record = self.records[index] = RequestRecord(
             index=index,
             scheduled_s=self.scheduled_s[index],

@@ -285,8 +285,8 @@ def test_stop_check_ends_the_replay_with_its_reason_and_accounts_for_everything(
     assert sum(r.ok for r in result.records) == 3
     assert all(r.error and "early stop: 3 requests done" in r.error for r in result.records[3:])
     # Snapshots saw in-flight requests with their send times.
-    assert any(s.in_flight_sent_s for s in seen)
-    assert all(t <= s.now_s for s in seen for t in s.in_flight_sent_s)
+    assert any(s.waiting_sent_s or s.streaming_sent_s for s in seen)
+    assert all(t <= s.now_s for s in seen for t in (*s.waiting_sent_s, *s.streaming_sent_s))
 
 
 def test_max_duration_longer_than_trace_changes_nothing() -> None:

@@ -1,0 +1,329 @@
+"""The job file: one YAML document describing a tuning study, validated by pydantic.
+
+Every model forbids unknown keys, so a typo fails at load time with the key's path and the
+closest valid name. Relative paths in a job file are resolved against the file's folder, so a
+job runs the same from any working directory. :func:`load_job` is the only way in.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from optimizer.errors import ConfigError
+
+__all__ = [
+    "EngineSection",
+    "JobConfig",
+    "ModelSection",
+    "ObjectivesSection",
+    "SamplerSection",
+    "TraceSection",
+    "load_job",
+    "parse_budget",
+    "parse_until",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    """Which model to serve.
+
+    Attributes:
+        path: Model folder or hub name, passed as ``--model``.
+        make: A make-model preset: the folder is created when missing (weight-less, served with
+            ``--load-format dummy``).
+        max_model_len: With ``make``, lower the generated model's context length.
+    """
+
+    path: str
+    make: str | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+
+
+class EngineSection(_Strict):
+    """How every trial's server is started.
+
+    Attributes:
+        python: Interpreter with vLLM installed (default: the tuner's own).
+        args: Engine arguments every trial gets, baseline included (flag names).
+        env: Extra environment of the server process (never logged to MLflow: may hold secrets).
+        startup_timeout_s: Give up on a server not healthy after this long.
+        kv_cache_gib: CPU build only: VLLM_CPU_KVCACHE_SPACE in whole GiB.
+        baseline_args: Arguments of the baseline beyond ``args``; by default vLLM's own
+            defaults for this hardware, with max-num-seqs and max-num-batched-tokens explicit.
+    """
+
+    python: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    kv_cache_gib: int | None = Field(default=None, ge=1)
+    baseline_args: dict[str, Any] | None = None
+
+
+class ShapingSection(_Strict):
+    """Trace shaping for every trial (see :mod:`optimizer.workload.shaping`)."""
+
+    window_s: tuple[float, float | None] | None = None
+    sample_fraction: float | None = Field(default=None, gt=0, le=1)
+    compress: float | None = Field(default=None, gt=0)
+    target_duration_s: float | None = Field(default=None, gt=0)
+    rate_scale: float | None = Field(default=None, gt=0)
+    length_scale: float | None = Field(default=None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=1)
+    max_output_tokens: int | None = Field(default=None, gt=0)
+    seed: int = 0
+
+
+class TraceSection(_Strict):
+    """The workload.
+
+    Attributes:
+        path: Trace file (any supported format).
+        format: Format name, or ``auto``.
+        skip_bad_rows: Skip and count malformed rows instead of failing.
+        shaping: Shaping applied before every trial.
+        warmup_requests: Leading requests excluded from the metrics.
+        max_duration_s: Replay time limit per trial.
+        max_send_lag_ms: A replay whose client P99 send lag exceeds this is retried, not scored.
+        token_range: ``[low, high)`` ids prompts may use (default: from the model folder).
+    """
+
+    path: str
+    format: str = "auto"
+    skip_bad_rows: bool = False
+    shaping: ShapingSection = Field(default_factory=ShapingSection)
+    warmup_requests: int = Field(default=0, ge=0)
+    max_duration_s: float | None = Field(default=None, gt=0)
+    max_send_lag_ms: float = Field(default=10.0, gt=0)
+    token_range: tuple[int, int] | None = None
+
+
+class ObjectivesSection(_Strict):
+    """What to optimize.
+
+    Attributes:
+        preset: An objectives preset name (``default``: min p95_ttft_ms, min p95_tpot_ms,
+            max output_throughput).
+        objectives: Instead of a preset, e.g. ``["min:p95_ttft_ms", "max:output_throughput"]``.
+        slos: Constraints such as ``p95_ttft_ms<=500``; trials that miss one are infeasible.
+        early_stop: Stop a replay once its SLOs can no longer be met.
+    """
+
+    preset: str | None = "default"
+    objectives: list[str] | None = None
+    slos: list[str] = Field(default_factory=list)
+    early_stop: bool = True
+
+
+class SamplerSection(_Strict):
+    """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison."""
+
+    name: Literal["tpe", "gp", "random"] = "tpe"
+    seed: int | None = 0
+    n_startup_trials: int = Field(default=4, ge=0)
+
+
+class MlflowSection(_Strict):
+    """MLflow review (default: a local SQLite-backed store in the output folder)."""
+
+    enabled: bool = True
+    tracking_uri: str | None = None
+    experiment: str | None = None
+
+
+class JobConfig(_Strict):
+    """A whole tuning job.
+
+    Attributes:
+        name: Study name (also the MLflow experiment by default).
+        model: What to serve.
+        engine: How to start servers.
+        gpus_per_trial: GPUs one trial may use (0: the CPU build, one trial at a time).
+        trace: The workload.
+        search_space: A preset name, a YAML path, or an inline space.
+        objectives: Objectives and SLOs.
+        sampler: The Optuna sampler.
+        trials: Number of trials, baseline included (None: until the budget ends).
+        budget: Wall-clock budget, e.g. ``8h`` or ``90m``: stop launching after it.
+        until: Local time of day, e.g. ``07:00``: stop launching then.
+        parallel: Trials at once (each in its own Ray actor and GPUs).
+        storage: Optuna storage URL (default: SQLite in the output folder).
+        out: Output folder (default: ``runs/<name>`` beside the job file).
+        ray_address: Join this Ray cluster instead of starting a local one.
+        retries: How often a trial whose replay was invalid is re-run before giving up.
+        mlflow: MLflow settings.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: ModelSection
+    engine: EngineSection = Field(default_factory=EngineSection)
+    gpus_per_trial: int = Field(default=0, ge=0)
+    trace: TraceSection
+    search_space: str | dict[str, Any] = "default"
+    objectives: ObjectivesSection = Field(default_factory=ObjectivesSection)
+    sampler: SamplerSection = Field(default_factory=SamplerSection)
+    trials: int | None = Field(default=None, ge=1)
+    budget: str | None = None
+    until: str | None = None
+    parallel: int = Field(default=1, ge=1)
+    storage: str | None = None
+    out: str | None = None
+    ray_address: str | None = None
+    retries: int = Field(default=2, ge=0)
+    mlflow: MlflowSection = Field(default_factory=MlflowSection)
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_budget(v)
+        return v
+
+    @field_validator("until")
+    @classmethod
+    def _until(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_until(v, now=datetime.now())
+        return v
+
+    @model_validator(mode="after")
+    def _stops(self) -> JobConfig:
+        if self.trials is None and self.budget is None and self.until is None:
+            raise ValueError("set `trials`, `budget` or `until`: the study needs a way to stop")
+        return self
+
+    def output_dir(self, base: Path) -> Path:
+        """The output folder, resolved against ``base`` (the job file's folder)."""
+        return _resolve(self.out or f"runs/{self.name}", base)
+
+    def storage_url(self, base: Path) -> str:
+        """Optuna storage URL: the configured one, or SQLite in the output folder."""
+        if self.storage:
+            return self.storage
+        return f"sqlite:///{self.output_dir(base) / 'study.db'}"
+
+
+def _resolve(path: str, base: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+_BUDGET = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*$")
+
+
+def parse_budget(text: str) -> timedelta:
+    """``"8h"``, ``"1h30m"``, ``"90m"``, ``"45s"`` -> timedelta.
+
+    Raises:
+        ConfigError: Unreadable text.
+    """
+    m = _BUDGET.match(text)
+    if not m or not any(m.groups()):
+        raise ConfigError(f"budget {text!r}: expected a duration such as 8h, 1h30m, 90m or 600s")
+    h, mins, s = (float(g) if g else 0.0 for g in m.groups())
+    return timedelta(hours=h, minutes=mins, seconds=s)
+
+
+def parse_until(text: str, *, now: datetime) -> datetime:
+    """``"07:00"`` -> the next such local time after ``now``.
+
+    Raises:
+        ConfigError: Unreadable text.
+    """
+    try:
+        t = datetime.strptime(text.strip(), "%H:%M").time()
+    except ValueError as exc:
+        raise ConfigError(f"until {text!r}: expected a local time HH:MM such as 07:00") from exc
+    at = now.replace(hour=t.hour, minute=t.minute, second=0, microsecond=0)
+    return at if at > now else at + timedelta(days=1)
+
+
+def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Valid keys at ``loc`` (for 'did you mean' hints)."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        current = next((a for a in candidates if issubclass(a, BaseModel)), None)
+        if current is None:
+            return []
+    return list(current.model_fields)
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid job file"]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            names = _field_names(JobConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            msg = f"unknown key; {fix}"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {path}: {msg}")
+    return "\n".join(lines)
+
+
+def load_job(source: str | Path | dict[str, Any], *, base: Path | None = None) -> tuple[JobConfig, Path]:
+    """Read and validate a job.
+
+    Args:
+        source: A YAML file path, or an already-parsed mapping (then ``base`` resolves paths).
+        base: Folder relative paths are resolved against (default: the file's folder, or the
+            working directory for a mapping).
+
+    Returns:
+        The job and the base folder, with ``model.path``, ``trace.path`` and a YAML
+        ``search_space`` path resolved to absolute paths.
+
+    Raises:
+        ConfigError: Unreadable YAML or an invalid job; the message names every bad key.
+    """
+    if isinstance(source, dict):
+        data, where = source, "job"
+        folder = (base or Path.cwd()).resolve()
+    else:
+        path = Path(source)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read job file ({exc.strerror})") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a job file is a YAML mapping (name, model, trace, ...)")
+        where = str(path)
+        folder = (base or path.parent).resolve()
+    try:
+        job = JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, where)) from exc
+    model_path = job.model.path
+    if job.model.make or model_path.startswith((".", "/", "~")) or (folder / model_path).exists():
+        model_path = str(_resolve(model_path, folder))
+    space: str | dict[str, Any] = job.search_space
+    if isinstance(space, str) and space.endswith((".yaml", ".yml")):
+        space = str(_resolve(space, folder))
+    job = job.model_copy(update={
+        "model": job.model.model_copy(update={"path": model_path}),
+        "trace": job.trace.model_copy(update={"path": str(_resolve(job.trace.path, folder))}),
+        "search_space": space,
+    })
+    return job, folder

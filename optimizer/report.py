@@ -1,0 +1,175 @@
+"""Reports on a study: the feasible Pareto front beside the baseline, with the gain over it.
+
+Reads only the Optuna storage (the study's source of truth), so ``vllm-autotune show`` works
+for a running study, a finished one, and one whose driver died.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich.table import Table
+
+__all__ = ["FrontRow", "StudyStatus", "front_rows", "front_table", "gain_pct", "status_table", "study_status"]
+
+
+@dataclass(frozen=True)
+class FrontRow:
+    """One configuration of the report.
+
+    Attributes:
+        number: Trial number.
+        baseline: True for the baseline row.
+        values: Objective values, in the study's objective order.
+        gains_pct: Improvement over the baseline per objective, in percent (positive = better).
+        changed: Engine arguments that differ from the baseline's.
+        feasible: All SLOs met.
+    """
+
+    number: int
+    baseline: bool
+    values: tuple[float, ...]
+    gains_pct: tuple[float | None, ...]
+    changed: dict[str, Any]
+    feasible: bool
+
+
+def gain_pct(value: float, base: float, direction: optuna.study.StudyDirection) -> float | None:
+    """Improvement of ``value`` over ``base`` in percent; positive is better either way."""
+    if base == 0 or math.isnan(base) or math.isnan(value):
+        return None
+    change = (value - base) / abs(base) * 100.0
+    return -change if direction == optuna.study.StudyDirection.MINIMIZE else change
+
+
+def _args(trial: FrozenTrial) -> dict[str, Any]:
+    raw = trial.user_attrs.get("engine_args")
+    return dict(json.loads(raw)) if isinstance(raw, str) else {}
+
+
+def _feasible(trial: FrozenTrial) -> bool:
+    return all(v <= 0 for v in trial.constraints.values())
+
+
+def _baseline(study: optuna.Study) -> FrozenTrial | None:
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return next((t for t in done if t.user_attrs.get("baseline")), None)
+
+
+def front_rows(study: optuna.Study) -> list[FrontRow]:
+    """The baseline (first) and the feasible Pareto front, by trial number."""
+    base = _baseline(study)
+    base_args = _args(base) if base else {}
+    rows = []
+    front = [t for t in study.best_trials if _feasible(t)]
+    for t in ([base] if base else []) + sorted(front, key=lambda t: t.number):
+        if t is None or (t is not base and base is not None and t.number == base.number):
+            continue
+        values = tuple(float(v) for v in (t.values or ()))
+        gains: tuple[float | None, ...] = tuple(
+            gain_pct(v, b, d)
+            for v, b, d in zip(values, base.values if base and base.values else [math.nan] * len(values),
+                               study.directions, strict=False)
+        )
+        args = _args(t)
+        changed = {k: v for k, v in args.items() if base_args.get(k) != v}
+        changed.update({k: "(default)" for k in base_args if k not in args})
+        rows.append(FrontRow(number=t.number, baseline=t is base, values=values, gains_pct=gains,
+                             changed=changed if t is not base else {}, feasible=_feasible(t)))
+    return rows
+
+
+def _metric_names(study: optuna.Study) -> list[str]:
+    names = study.metric_names
+    if names:
+        return list(names)
+    return [f"objective {i}" for i in range(len(study.directions))]
+
+
+def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs baseline") -> Table:
+    """The front as a rich table: values, gain over the baseline, what changed."""
+    table = Table(title=title)
+    table.add_column("trial", justify="right")
+    names = _metric_names(study)
+    for name, d in zip(names, study.directions, strict=True):
+        arrow = "↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑"
+        table.add_column(f"{name} {arrow}", justify="right")
+    table.add_column("changed vs baseline")
+    for row in front_rows(study):
+        cells = []
+        for v, g in zip(row.values, row.gains_pct, strict=True):
+            text = f"{v:,.1f}"
+            if not row.baseline and g is not None:
+                text += f" ({g:+.0f}%)"
+            cells.append(text)
+        label = f"{row.number} (baseline)" if row.baseline else str(row.number)
+        if row.baseline and not row.feasible:
+            label += " ✗SLO"
+        changed = ", ".join(f"{k}={v}" for k, v in sorted(row.changed.items())) or "-"
+        table.add_row(label, *cells, changed if not row.baseline else "vLLM defaults")
+    return table
+
+
+@dataclass(frozen=True)
+class StudyStatus:
+    """Counts and bests of a study, for progress displays and the API."""
+
+    done: int
+    running: int
+    failed: int
+    infeasible: int
+    front_size: int
+    best: dict[str, float]
+    by_status: dict[str, int]
+
+
+def study_status(study: optuna.Study) -> StudyStatus:
+    """Count trials by state and status; the best value of each objective among feasible trials."""
+    trials = study.get_trials(deepcopy=False)
+    statuses = Counter(str(t.user_attrs.get("status", t.state.name.lower())) for t in trials
+                       if t.state != TrialState.RUNNING)
+    feasible = [t for t in trials if t.state == TrialState.COMPLETE and _feasible(t)]
+    best: dict[str, float] = {}
+    for i, (name, d) in enumerate(zip(_metric_names(study), study.directions, strict=True)):
+        vals = [t.values[i] for t in feasible if t.values]
+        if vals:
+            best[name] = min(vals) if d == optuna.study.StudyDirection.MINIMIZE else max(vals)
+    return StudyStatus(
+        done=sum(1 for t in trials if t.state == TrialState.COMPLETE),
+        running=sum(1 for t in trials if t.state == TrialState.RUNNING),
+        failed=statuses.get("failed", 0) + statuses.get("invalid_replay", 0) + statuses.get("driver_died", 0),
+        infeasible=sum(1 for t in trials if t.state == TrialState.COMPLETE and not _feasible(t)),
+        front_size=sum(1 for t in study.best_trials if _feasible(t)),
+        best=best,
+        by_status=dict(statuses),
+    )
+
+
+def status_table(study: optuna.Study) -> Table:
+    """Every trial: state, status, failure class, objective values."""
+    table = Table(title=f"study {study.study_name}")
+    table.add_column("trial", justify="right")
+    table.add_column("status")
+    names = _metric_names(study)
+    for name in names:
+        table.add_column(name, justify="right")
+    table.add_column("SLOs")
+    table.add_column("engine args / failure")
+    for t in study.get_trials(deepcopy=False):
+        status = str(t.user_attrs.get("status", t.state.name.lower()))
+        if t.user_attrs.get("baseline"):
+            status += " (baseline)"
+        vals = [f"{v:,.1f}" for v in t.values] if t.values and status.startswith("complete") else ["-"] * len(names)
+        slo = "-" if not t.constraints else ("met" if _feasible(t) else "missed")
+        detail = str(t.user_attrs.get("failure_class") or "")
+        if not detail:
+            args = _args(t)
+            detail = ", ".join(f"{k}={v}" for k, v in sorted(args.items()) if k not in ("load-format",))
+        table.add_row(str(t.number), status, *vals, slo, detail[:120])
+    return table

@@ -1,0 +1,582 @@
+"""The study: an Optuna ask/tell loop over vLLM engine configurations.
+
+``prepare`` turns a job into a plan (shaped trace, search space, objectives, baseline, every flag
+checked against the installed vLLM) before anything starts. ``StudyDriver.run`` then asks Optuna
+for configurations, rejects invalid combinations before any engine starts, hands the rest to a
+:class:`~optimizer.runners.TrialRunner`, and tells Optuna the outcome:
+
+- trial 0 is the baseline (vLLM's defaults for the same model and trace, with max-num-seqs and
+  max-num-batched-tokens passed explicitly), enqueued once per study;
+- a measured trial is told its objective values and its SLO margins as constraints
+  (``trial.set_constraint``, <= 0 met), so ``study.best_trials`` is the feasible Pareto front;
+- an engine that fails (crash, OOM, KV cache too small, timeout) or a replay stopped early is
+  told as complete with worst-case values and violated constraints: the sampler learns where
+  the feasible region ends;
+- a replay whose client could not keep the schedule is re-run, never scored;
+- a driver that dies leaves RUNNING trials; the next driver fails them (same host: the dead
+  pid; elsewhere: Optuna's heartbeat) and re-enqueues their configurations, so none is lost.
+
+Imports optuna, never ray or mlflow (those live behind the runner and tracking seams).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+from objectives import ObjectiveSet, load_objectives
+from optimizer.config import JobConfig, parse_budget, parse_until
+from optimizer.errors import ConfigError
+from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
+from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
+
+__all__ = [
+    "StudyDriver",
+    "StudyEvent",
+    "StudyPlan",
+    "baseline_defaults",
+    "completed_trials",
+    "create_storage",
+    "is_baseline",
+    "prepare",
+]
+
+BASELINE_ATTR = "baseline"
+STATUS_ATTR = "status"
+_DRIVER_ATTR = "driver"
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """Everything a driver needs, prepared and validated from a job.
+
+    Attributes:
+        job: The job.
+        out: Output folder.
+        storage_url: Optuna storage URL.
+        trace: The shaped trace every trial replays.
+        trace_notes: What reading and shaping the trace did (for reports).
+        space: The search space.
+        objectives: Objectives and SLOs.
+        engine: Model, arguments every trial gets, and server env.
+        baseline_args: Arguments of the baseline trial (engine args + vLLM's defaults).
+        token_range: Ids prompts draw from.
+        context: Facts parameter constraints are checked against.
+        vllm: "dist version" of the vLLM the trials use.
+    """
+
+    job: JobConfig
+    out: Path
+    storage_url: str
+    trace: Trace
+    trace_notes: tuple[str, ...]
+    space: SearchSpace
+    objectives: ObjectiveSet
+    engine: EngineConfig
+    baseline_args: dict[str, Any]
+    token_range: tuple[int, int]
+    context: ConstraintContext
+    vllm: str = ""
+
+
+@dataclass(frozen=True)
+class StudyEvent:
+    """Something a progress display or tracker wants to know.
+
+    Attributes:
+        kind: ``started``, ``finished``, ``rejected``, ``retry`` or ``stale``.
+        number: Optuna trial number.
+        result: The trial's result (``finished``).
+        trial: The frozen trial after ``tell`` (``finished``, ``rejected``).
+        detail: Free text.
+    """
+
+    kind: str
+    number: int
+    result: TrialResult | None = None
+    trial: FrozenTrial | None = None
+    detail: str = ""
+
+
+def baseline_defaults(is_cpu_build: bool, gpu_memory_gib: float = 0.0, gpu_name: str = "") -> dict[str, int]:
+    """vLLM's own max-num-seqs / max-num-batched-tokens defaults for the API server here.
+
+    They depend on the device (DESIGN.md §7.5), so the baseline passes them explicitly: the same
+    numbers a default deployment on this hardware gets, written down.
+    """
+    if is_cpu_build:
+        return {"max-num-seqs": 128, "max-num-batched-tokens": 2048}
+    if gpu_memory_gib >= 160:
+        return {"max-num-seqs": 1024, "max-num-batched-tokens": 16384}
+    if gpu_memory_gib >= 70 and "a100" not in gpu_name.lower():
+        return {"max-num-seqs": 1024, "max-num-batched-tokens": 8192}
+    return {"max-num-seqs": 256, "max-num-batched-tokens": 2048}
+
+
+def _gpu_facts() -> tuple[int, float, str]:
+    """(count, memory GiB of the first, name) from nvidia-smi; zeros without a GPU."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0, 0.0, ""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return 0, 0.0, ""
+    if not out:
+        return 0, 0.0, ""
+    name, mem = out[0].rsplit(",", 1)
+    return len(out), float(mem) / 1024.0, name.strip()
+
+
+def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
+    """Validate a job completely and build its plan; nothing is started.
+
+    Raises:
+        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+    """
+    from optimizer.modelgen import make_model, model_info
+    from optimizer.vllm_flags import accepted_flags, installed_vllm, validate_engine_args
+    from optimizer.workload.formats import read_trace
+    from optimizer.workload.shaping import ShapeSpec, shape
+
+    out = job.output_dir(base)
+    out.mkdir(parents=True, exist_ok=True)
+    model = job.model.path
+    if job.model.make and not (Path(model) / "config.json").exists():
+        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
+
+    trace, report = read_trace(job.trace.path, job.trace.format, skip_bad_rows=job.trace.skip_bad_rows)
+    shaped, reports = shape(trace, ShapeSpec(**job.trace.shaping.model_dump()))
+    if len(shaped) <= job.trace.warmup_requests:
+        raise ConfigError(
+            f"{job.trace.path}: {len(shaped)} requests after shaping, not more than the "
+            f"{job.trace.warmup_requests} warm-up requests: widen the window or lower warmup_requests"
+        )
+    notes = (report.summary(), *(r.summary() for r in reports))
+
+    space = load_space(job.search_space)
+    objectives = load_objectives(job.objectives.preset if not job.objectives.objectives else None,
+                                 job.objectives.objectives, job.objectives.slos)
+
+    install = installed_vllm(job.engine.python) if check_flags else None
+    n_gpus, gpu_mem, gpu_name = _gpu_facts()
+    is_cpu = install.is_cpu_build if install else n_gpus == 0
+    engine_args = dict(job.engine.args)
+    local_model = Path(model).is_dir()
+    if local_model and not any(Path(model).glob("*.safetensors")) and "load-format" not in engine_args:
+        engine_args["load-format"] = "dummy"
+    env = dict(job.engine.env)
+    # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
+    # kv-cache-memory-bytes; a job that sizes it in bytes must not get the variable.
+    if is_cpu and "VLLM_CPU_KVCACHE_SPACE" not in env and "kv-cache-memory-bytes" not in engine_args:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(job.engine.kv_cache_gib or 2)
+    baseline = {**engine_args, **(job.engine.baseline_args
+                                  if job.engine.baseline_args is not None
+                                  else baseline_defaults(is_cpu, gpu_mem, gpu_name))}
+
+    if check_flags and install is not None:
+        flags = accepted_flags(install)
+        validate_engine_args(engine_args, flags)
+        validate_engine_args(baseline, flags)
+        validate_engine_args(space.fixed, flags)
+        for flag, values in space.flag_values().items():
+            for value in values:
+                validate_engine_args({flag: value}, flags)
+
+    if job.trace.token_range:
+        token_range = tuple(job.trace.token_range)
+    elif local_model:
+        info = model_info(model)
+        token_range = (info.prompt_low, info.prompt_high)
+    else:
+        token_range = (1000, 30000)
+    model_max = model_info(model).max_position_embeddings if local_model else None
+    longest = max(r.input_tokens + r.output_tokens for r in shaped.requests)
+    gpus = job.gpus_per_trial if job.gpus_per_trial else (0 if is_cpu else 1)
+    ctx = ConstraintContext(gpus_per_trial=max(gpus, 1), longest_request_tokens=longest,
+                            model_max_len=model_max, cpu_build=is_cpu)
+    problems = check_constraints(baseline, ctx)
+    if problems:
+        raise ConfigError("the baseline configuration is invalid: " + "; ".join(problems))
+    return StudyPlan(
+        job=job, out=out, storage_url=job.storage_url(base), trace=shaped, trace_notes=notes,
+        space=space, objectives=objectives,
+        engine=EngineConfig(model=model, args=engine_args, env=env),
+        baseline_args=baseline, token_range=(int(token_range[0]), int(token_range[1])),
+        context=ctx, vllm=f"{install.dist} {install.version}" if install else "",
+    )
+
+
+def create_storage(url: str, *, heartbeat_interval_s: int = 30, grace_period_s: int = 90) -> optuna.storages.BaseStorage:
+    """Optuna storage for a URL: SQLite/PostgreSQL (RDB, with heartbeats) or ``journal:///path``."""
+    if url.startswith("journal://"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = url[len("journal://"):]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
+    engine_kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        # Several processes (drivers, `show`) share the file: wait for locks instead of failing.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    return optuna.storages.RDBStorage(
+        url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s,
+        grace_period=grace_period_s,
+    )
+
+
+def _sampler(job: JobConfig) -> optuna.samplers.BaseSampler:
+    s = job.sampler
+    if s.name == "random":
+        return optuna.samplers.RandomSampler(seed=s.seed)
+    if s.name == "gp":
+        return optuna.samplers.GPSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
+    # multivariate + group: conditional parameters form separate groups; constant liar keeps
+    # parallel trials from proposing the same configuration.
+    return optuna.samplers.TPESampler(
+        seed=s.seed, multivariate=True, group=True, constant_liar=True,
+        n_startup_trials=s.n_startup_trials,
+    )
+
+
+def is_baseline(trial: FrozenTrial) -> bool:
+    """True for the study's baseline trial."""
+    return bool(trial.user_attrs.get(BASELINE_ATTR))
+
+
+def _driver_identity() -> dict[str, Any]:
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": me.pid, "create_time": me.create_time()}
+
+
+def _driver_dead(ident: Any) -> bool:
+    """True when a driver recorded on this host is no longer running."""
+    if not isinstance(ident, dict) or ident.get("host") != socket.gethostname():
+        return False
+    try:
+        return abs(psutil.Process(int(ident["pid"])).create_time() - float(ident["create_time"])) > 1.0
+    except psutil.NoSuchProcess:
+        return True
+
+
+class StudyDriver:
+    """Runs a plan's trials through a runner until the count or the budget says stop.
+
+    Args:
+        plan: The prepared plan.
+        runner: Where trials run.
+        on_event: Called for every :class:`StudyEvent` (progress display, MLflow).
+        heartbeat_interval_s: How often running trials' heartbeats are recorded (RDB storage).
+        grace_period_s: A RUNNING trial without heartbeat for this long is stale.
+        now: Wall clock (a seam for budget tests).
+    """
+
+    def __init__(
+        self,
+        plan: StudyPlan,
+        runner: Any,
+        *,
+        on_event: Callable[[StudyEvent], None] | None = None,
+        heartbeat_interval_s: int = 30,
+        grace_period_s: int = 90,
+        now: Callable[[], datetime] = datetime.now,
+    ) -> None:
+        self.plan = plan
+        self.runner = runner
+        self.on_event = on_event or (lambda _e: None)
+        self.now = now
+        self.storage = create_storage(plan.storage_url, heartbeat_interval_s=heartbeat_interval_s,
+                                      grace_period_s=grace_period_s)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        job = plan.job
+        self.study = optuna.create_study(
+            study_name=job.name, storage=self.storage, sampler=_sampler(job),
+            directions=[o.direction for o in plan.objectives.objectives], load_if_exists=True,
+        )
+        if not self.study.metric_names:
+            self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
+        self.started_at = now()
+        self.deadline: datetime | None = None
+        if job.budget:
+            self.deadline = self.started_at + parse_budget(job.budget)
+        if job.until:
+            until = parse_until(job.until, now=self.started_at)
+            self.deadline = min(self.deadline, until) if self.deadline else until
+        self._stop_requested = False
+        self._running: dict[int, tuple[Any, optuna.trial.Trial, int]] = {}
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _counted(self, trials: list[FrozenTrial]) -> int:
+        """Trials that count toward ``job.trials``: told ones and ones in flight."""
+        return sum(
+            1 for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.RUNNING)
+            or (t.state == TrialState.FAIL and t.user_attrs.get(STATUS_ATTR) == TrialStatus.INVALID_REPLAY.value)
+        )
+
+    def remaining(self) -> int | None:
+        """Trials still to launch (None: no count limit)."""
+        if self.plan.job.trials is None:
+            return None
+        return max(0, self.plan.job.trials - self._counted(self.study.get_trials(deepcopy=False)))
+
+    def budget_left(self) -> timedelta | None:
+        """Time left before launching stops (None: no budget)."""
+        if self.deadline is None:
+            return None
+        return max(self.deadline - self.now(), timedelta(0))
+
+    def request_stop(self) -> None:
+        """Stop launching trials; running ones finish."""
+        self._stop_requested = True
+
+    def _may_launch(self) -> bool:
+        if self._stop_requested:
+            return False
+        left = self.remaining()
+        if left is not None and left <= 0:
+            return False
+        return not (self.deadline is not None and self.now() >= self.deadline)
+
+    def recover(self) -> list[int]:
+        """Fail trials a dead driver left RUNNING and re-enqueue their configurations.
+
+        Same host: the recorded driver pid is dead. Other hosts: Optuna's heartbeat expired.
+        Returns the numbers of the trials failed.
+        """
+        failed = []
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if _driver_dead(t.system_attrs.get(_DRIVER_ATTR)):
+                self.storage.set_trial_user_attr(t._trial_id, STATUS_ATTR, "driver_died")
+                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                failed.append(t.number)
+        if isinstance(self.storage, optuna.storages.RDBStorage):
+            before = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(self.study)
+            after = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+            failed += [t.number for t in after if t.number not in before]
+        trials = self.study.get_trials(deepcopy=False)
+        for number in failed:
+            lost = trials[number]
+            self.on_event(StudyEvent("stale", number, detail="left RUNNING by a dead driver"))
+            self._requeue(lost, trials)
+        return failed
+
+    def _requeue(self, lost: FrozenTrial, trials: list[FrozenTrial]) -> None:
+        alive = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)]
+        if is_baseline(lost):
+            if not any(is_baseline(t) for t in alive):
+                self.study.enqueue_trial({}, user_attrs={BASELINE_ATTR: True, "retry_of": lost.number})
+        elif lost.params:
+            self.study.enqueue_trial(lost.params, user_attrs={"retry_of": lost.number})
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> optuna.Study:
+        """Run until the trial count or the budget is reached; returns the Optuna study."""
+        self._write_plan()
+        self.recover()
+        trials = self.study.get_trials(deepcopy=False)
+        if not trials:
+            self.study.enqueue_trial({}, user_attrs={BASELINE_ATTR: True})
+        try:
+            self._loop()
+        finally:
+            for handle, _trial, _attempt in list(self._running.values()):
+                self.runner.cancel(handle)
+        return self.study
+
+    def _loop(self) -> None:
+        last_beat = 0.0
+        while True:
+            while len(self._running) < self.runner.capacity and self._may_launch():
+                self._launch_next()
+            if not self._running:
+                if not self._may_launch():
+                    return
+                continue
+            futures = {h.future: n for n, (h, _t, _a) in self._running.items()}
+            done, _ = concurrent.futures.wait(
+                futures, timeout=min(5.0, float(self.heartbeat_interval_s)),
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+            if time.monotonic() - last_beat >= self.heartbeat_interval_s / 2:
+                self._heartbeat()
+                last_beat = time.monotonic()
+            for fut in done:
+                self._collect(futures[fut], fut)
+
+    def _heartbeat(self) -> None:
+        if isinstance(self.storage, optuna.storages.RDBStorage):
+            for _h, trial, _a in self._running.values():
+                self.storage.record_heartbeat(trial._trial_id)
+
+    def _launch_next(self) -> None:
+        with warnings.catch_warnings():
+            # Optuna warns that heartbeats are meant for Study.optimize; the driver records
+            # them itself (see _heartbeat), which is what ask/tell needs.
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = self.study.ask()
+        trial.storage.set_trial_system_attr(trial._trial_id, _DRIVER_ATTR, _driver_identity())
+        if isinstance(self.storage, optuna.storages.RDBStorage):
+            self.storage.record_heartbeat(trial._trial_id)
+        baseline = bool(trial.user_attrs.get(BASELINE_ATTR))
+        if baseline:
+            args = dict(self.plan.baseline_args)
+        else:
+            args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
+        trial.set_user_attr("engine_args", json.dumps(args, sort_keys=True, default=str))
+        problems = check_constraints(args, self.plan.context)
+        if problems:
+            # Never start an engine for an invalid combination; the sampler still learns.
+            self._tell_failure(trial, TrialStatus.REJECTED, "; ".join(problems))
+            self.on_event(StudyEvent("rejected", trial.number, trial=self._frozen(trial.number),
+                                     detail="; ".join(problems)))
+            return
+        self._submit(trial, args, attempt=0)
+
+    def _spec(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> TrialSpec:
+        plan, job = self.plan, self.plan.job
+        return TrialSpec(
+            number=trial.number,
+            engine=EngineConfig(model=plan.engine.model, args=args, env=dict(plan.engine.env)),
+            trace=plan.trace,
+            workdir=str(plan.out / "trials" / f"{trial.number:04d}" / f"attempt-{attempt}"),
+            token_range=plan.token_range,
+            # Fresh prompts per trial and attempt: nothing is served from an earlier cache.
+            seed=trial.number * 1000 + attempt + 1,
+            warmup_requests=job.trace.warmup_requests,
+            max_duration_s=job.trace.max_duration_s,
+            slos=tuple(str(s) for s in plan.objectives.slos),
+            early_stop=job.objectives.early_stop,
+            startup_timeout_s=job.engine.startup_timeout_s,
+            python=job.engine.python,
+            max_send_lag_ms=job.trace.max_send_lag_ms,
+        )
+
+    def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:
+        spec = self._spec(trial, args, attempt)
+        gpus = self._gpus(args)
+        handle = self.runner.submit(spec, gpus)
+        self._running[trial.number] = (handle, trial, attempt)
+        self.on_event(StudyEvent("started", trial.number, detail=json.dumps(args, sort_keys=True, default=str)))
+
+    def _gpus(self, args: dict[str, Any]) -> int:
+        if self.plan.context.cpu_build:
+            return 0
+        tp = int(args.get("tensor-parallel-size", 1) or 1)
+        pp = int(args.get("pipeline-parallel-size", 1) or 1)
+        return tp * pp
+
+    def _collect(self, number: int, fut: concurrent.futures.Future[TrialResult]) -> None:
+        handle, trial, attempt = self._running.pop(number)
+        release = getattr(self.runner, "release", None)
+        if release is not None:
+            release(handle)
+        try:
+            result = fut.result()
+        except Exception as exc:  # noqa: BLE001 - a dead actor is a failed trial, not a dead study
+            result = TrialResult(number=number, status=TrialStatus.FAILED,
+                                 message=f"trial runner failed: {type(exc).__name__}: {exc}")
+        if result.status is TrialStatus.INVALID_REPLAY and attempt < self.plan.job.retries:
+            self.on_event(StudyEvent("retry", number, result=result, detail=result.message))
+            args = json.loads(trial.user_attrs["engine_args"]) if "engine_args" in trial.user_attrs else {}
+            self._submit(trial, args, attempt + 1)
+            return
+        self._tell(trial, result, attempt)
+        self.on_event(StudyEvent("finished", number, result=result, trial=self._frozen(number)))
+
+    def _frozen(self, number: int) -> FrozenTrial:
+        return self.study.get_trials(deepcopy=False)[number]
+
+    def _record_attrs(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
+        trial.set_user_attr(STATUS_ATTR, result.status.value)
+        trial.set_user_attr("attempts", attempt + 1)
+        if result.failure_class is not None:
+            trial.set_user_attr("failure_class", result.failure_class.value)
+        if result.message:
+            trial.set_user_attr("message", result.message[:2000])
+        summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.summary.items()}
+        trial.set_user_attr("summary", summary)
+        if result.memory is not None:
+            trial.set_user_attr("memory", asdict(result.memory))
+        if result.startup_s is not None:
+            trial.set_user_attr("startup_s", round(result.startup_s, 3))
+        if result.replay_s is not None:
+            trial.set_user_attr("replay_s", round(result.replay_s, 3))
+        if result.server_metrics:
+            trial.set_user_attr("server_metrics", dict(result.server_metrics))
+        trial.set_user_attr("log_path", result.log_path)
+
+    def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
+        self._record_attrs(trial, result, attempt)
+        objectives = self.plan.objectives
+        if result.status is TrialStatus.COMPLETE:
+            for slo, margin in zip(objectives.slos, objectives.constraints(result.summary), strict=True):
+                trial.set_constraint(str(slo), margin)
+            self.study.tell(trial, objectives.values(result.summary))
+        elif result.status is TrialStatus.INVALID_REPLAY:
+            self.study.tell(trial, state=TrialState.FAIL)
+        else:
+            self._tell_failure(trial, result.status, result.message, record=False)
+
+    def _tell_failure(self, trial: optuna.trial.Trial, status: TrialStatus, message: str, *, record: bool = True) -> None:
+        """Failed, infeasible or rejected: complete, worst values, every constraint violated."""
+        if record:
+            trial.set_user_attr(STATUS_ATTR, status.value)
+            trial.set_user_attr("message", message[:2000])
+        slos = self.plan.objectives.slos
+        margins = self.plan.objectives.failed_constraints()
+        if slos:
+            for slo, margin in zip(slos, margins, strict=True):
+                trial.set_constraint(str(slo), margin)
+        else:
+            # Without SLOs, "feasible" still means "the engine served": one implicit constraint.
+            trial.set_constraint("engine_served", 1.0)
+        self.study.tell(trial, self.plan.objectives.worst())
+
+    def _write_plan(self) -> None:
+        doc = {
+            "study": self.plan.job.name,
+            "storage": self.plan.storage_url,
+            "vllm": self.plan.vllm,
+            "trace": self.plan.job.trace.path,
+            "trace_notes": list(self.plan.trace_notes),
+            "requests": len(self.plan.trace),
+            "baseline_args": self.plan.baseline_args,
+            "engine_args": dict(self.plan.engine.args),
+            "objectives": [f"{o.direction}:{o.metric}" for o in self.plan.objectives.objectives],
+            "slos": [str(s) for s in self.plan.objectives.slos],
+            "driver": _driver_identity(),
+            "started_at": self.started_at.isoformat(timespec="seconds"),
+        }
+        (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def completed_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """COMPLETE trials in number order."""
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+

@@ -1,0 +1,228 @@
+"""The study loop with a FAKE runner (no vLLM): baseline, failures as data, retries,
+rejections, budget, resume after a dead driver."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from optimizer.config import load_job
+from optimizer.report import front_rows, study_status
+from optimizer.study import StudyDriver, is_baseline, prepare
+from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeHandle:
+    def __init__(self, spec: TrialSpec, result: TrialResult) -> None:
+        self.spec = spec
+        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
+        self.future.set_result(result)
+
+
+class FakeRunner:
+    """Scores a configuration with a made-up but deterministic model of a server.
+
+    More max-num-seqs: more throughput and more TPOT; a `kv-cache-memory-bytes` of 1 fails like a
+    KV cache too small; `fail_replay_once` makes the first attempt of each trial invalid.
+    """
+
+    capacity = 1
+
+    def __init__(self, fail_replay_once: bool = False) -> None:
+        self.specs: list[TrialSpec] = []
+        self.fail_replay_once = fail_replay_once
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        self.specs.append(spec)
+        args = spec.engine.args
+        if args.get("kv-cache-memory-bytes") == 1:
+            return FakeHandle(spec, TrialResult(
+                number=spec.number, status=TrialStatus.FAILED,
+                failure_class=FailureClass.KV_CACHE_TOO_SMALL, message="kv too small"))
+        if self.fail_replay_once and spec.workdir.endswith("attempt-0"):
+            return FakeHandle(spec, TrialResult(number=spec.number, status=TrialStatus.INVALID_REPLAY,
+                                                message="lag"))
+        seqs = float(args.get("max-num-seqs", 128))
+        summary = {
+            "p95_ttft_ms": 2000.0 / seqs ** 0.5 + 10,
+            "p95_tpot_ms": 5.0 + seqs / 10.0,
+            "output_throughput": 10.0 * seqs ** 0.5,
+            "error_rate": 0.0,
+            "completed": 10,
+        }
+        return FakeHandle(spec, TrialResult(number=spec.number, status=TrialStatus.COMPLETE,
+                                            summary=summary, startup_s=1.0, replay_s=1.0))
+
+    def cancel(self, handle: FakeHandle) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
+    job = {
+        "name": "fake",
+        "model": {"path": str(tmp_path / "model"), "make": "tiny"},
+        "engine": {"args": {"max-model-len": 2048}},
+        "trace": {
+            "path": str(REPO / "examples" / "traces" / "azure2023_code_600.csv"),
+            "shaping": {"window_s": [0, 40], "max_model_len": 2048, "max_output_tokens": 32},
+            "warmup_requests": 2,
+        },
+        "search_space": {
+            "name": "t",
+            "params": {
+                "max-num-seqs": {"type": "int", "low": 1, "high": 256, "log": True},
+                "max-num-batched-tokens": {"type": "categorical", "choices": [64, 4096]},
+                "enable-chunked-prefill": {"type": "categorical", "choices": [True]},
+            },
+        },
+        "objectives": {"preset": "default", "slos": ["p95_ttft_ms<=400"]},
+        "sampler": {"name": "random", "seed": 1},
+        "trials": 6,
+        "out": str(tmp_path / "out"),
+    }
+    job.update(over)
+    return job
+
+
+def _driver(tmp_path: Path, runner: Any, **over: Any) -> StudyDriver:
+    job, base = load_job(_job(tmp_path, **over), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    return StudyDriver(plan, runner, heartbeat_interval_s=1, grace_period_s=2)
+
+
+def test_baseline_first_then_tuned_trials_with_constraints(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    study = _driver(tmp_path, runner).run()
+    trials = study.get_trials()
+    assert len(trials) == 6
+    assert is_baseline(trials[0]) and not any(is_baseline(t) for t in trials[1:])
+    # The baseline ran vLLM's CPU defaults, written down explicitly (DESIGN.md §7.5).
+    base_args = runner.specs[0].engine.args
+    assert base_args["max-num-seqs"] == 128 and base_args["max-num-batched-tokens"] == 2048
+    for t in trials:
+        assert t.state in (TrialState.COMPLETE,)
+        assert "p95_ttft_ms<=400" in t.constraints
+    # best_trials is the feasible front: every member meets the SLO.
+    assert all(t.constraints["p95_ttft_ms<=400"] <= 0 for t in study.best_trials)
+    rows = front_rows(study)
+    assert rows[0].baseline and rows[0].number == 0
+    # Prompts are fresh per trial.
+    assert len({s.seed for s in runner.specs}) == len(runner.specs)
+
+
+def test_invalid_combination_never_starts_an_engine(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    space = {"name": "t", "params": {
+        "max-num-seqs": {"type": "categorical", "choices": [128]},
+        "max-num-batched-tokens": {"type": "categorical", "choices": [64]},
+    }}
+    study = _driver(tmp_path, runner, search_space=space, trials=3).run()
+    rejected = [t for t in study.get_trials() if t.user_attrs.get("status") == "rejected"]
+    assert len(rejected) == 2
+    assert all("max-num-batched-tokens" in t.user_attrs["message"] for t in rejected)
+    assert all(t.state == TrialState.COMPLETE and t.constraints["p95_ttft_ms<=400"] > 0 for t in rejected)
+    assert len(runner.specs) == 1  # only the baseline started an engine
+
+
+def test_engine_failure_is_a_result_with_its_failure_class(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    space = {"name": "t", "params": {
+        "kv-cache-memory-bytes": {"type": "categorical", "choices": [1]},
+    }}
+    study = _driver(tmp_path, runner, search_space=space, trials=2).run()
+    failed = study.get_trials()[1]
+    assert failed.state == TrialState.COMPLETE
+    assert failed.user_attrs["status"] == "failed"
+    assert failed.user_attrs["failure_class"] == "kv_cache_too_small"
+    assert failed.values[0] >= 1e6 and failed.values[2] == 0.0  # worst TTFT, worst throughput
+    assert failed.constraints["p95_ttft_ms<=400"] > 0
+    assert failed not in study.best_trials
+
+
+def test_invalid_replay_is_retried_not_scored(tmp_path: Path) -> None:
+    runner = FakeRunner(fail_replay_once=True)
+    study = _driver(tmp_path, runner, trials=2).run()
+    trials = study.get_trials()
+    assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert all(t.user_attrs["attempts"] == 2 for t in trials)
+    assert [s.workdir.rsplit("/", 1)[-1] for s in runner.specs] == ["attempt-0", "attempt-1"] * 2
+
+
+def test_invalid_replay_beyond_retries_fails_the_trial(tmp_path: Path) -> None:
+    runner = FakeRunner(fail_replay_once=True)
+    study = _driver(tmp_path, runner, trials=2, retries=0).run()
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.FAIL]
+
+
+def test_budget_stops_launching(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    clock = {"t": datetime(2026, 1, 1, 22, 0)}
+
+    def now() -> datetime:
+        clock["t"] += timedelta(minutes=10)  # each look at the clock: 10 minutes later
+        return clock["t"]
+
+    job, base = load_job(_job(tmp_path, trials=None, budget="1h"), base=tmp_path)
+    driver = StudyDriver(prepare(job, base, check_flags=False), runner, now=now)
+    study = driver.run()
+    assert 1 <= len(study.get_trials()) < 7
+    assert driver.budget_left() == timedelta(0)
+
+
+def test_resume_fails_dead_drivers_trials_and_requeues_their_configuration(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    _driver(tmp_path, runner, trials=2).run()
+    # Simulate a driver that asked trial 2 and died (a real process that exited).
+    storage_url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    study = optuna.load_study(study_name="fake", storage=storage_url)
+    orphan = study.ask()
+    orphan.suggest_int("max-num-seqs", 1, 256, log=True)
+    orphan.suggest_categorical("max-num-batched-tokens", [64, 4096])
+    orphan.suggest_categorical("enable-chunked-prefill", [True])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import psutil
+
+    study._storage.set_trial_system_attr(orphan._trial_id, "driver", {
+        "host": __import__("socket").gethostname(), "pid": dead.pid,
+        "create_time": psutil.Process().create_time()})
+    lost_params = dict(orphan.params)
+
+    runner2 = FakeRunner()
+    study = _driver(tmp_path, runner2, trials=4).run()
+    trials = study.get_trials()
+    assert trials[2].state == TrialState.FAIL and trials[2].user_attrs["status"] == "driver_died"
+    # The lost configuration ran again as a new trial; nothing double counted.
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == 2]
+    assert len(retried) == 1 and retried[0].params == lost_params
+    assert sum(1 for t in trials if t.state == TrialState.COMPLETE) == 4
+    assert sum(1 for t in trials if is_baseline(t)) == 1
+    st = study_status(study)
+    assert st.done == 4 and st.running == 0
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["study"] == "fake"
+
+
+def test_job_typos_name_the_key_and_the_fix(tmp_path: Path) -> None:
+    from optimizer.errors import ConfigError
+
+    bad = _job(tmp_path)
+    bad["trace"] = {**bad["trace"], "warmup_request": 3}
+    with pytest.raises(ConfigError, match=r"trace\.warmup_request: unknown key; did you mean 'warmup_requests'"):
+        load_job(bad, base=tmp_path)
+    with pytest.raises(ConfigError, match="budget"):
+        load_job(_job(tmp_path, budget="soon"), base=tmp_path)
