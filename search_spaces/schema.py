@@ -486,17 +486,18 @@ class SearchSpace(_Strict):
         """
         per_name: dict[str, list[Any]] = {name: [value] for name, value in self.fixed.items()}
         per_name.update({name: param.domain() for name, param in self.params.items()})
+        dotted_tops = {name.partition(".")[0] for name in per_name if "." in name}
         out: dict[str, list[Any]] = {}
         groups: dict[str, dict[str, list[Any]]] = {}
         for name, values in per_name.items():
             top, dot, key = name.partition(".")
-            if dot:
+            if top in dotted_tops:
+                out.setdefault(top, [])
+                if not dot:
+                    continue  # a fixed base dict of a dotted flag: merged below
                 if key == _SWITCH_KEY and any(v is not None for v in values):
                     values = [v for v in values if v is not None]
                 groups.setdefault(top, {})[key] = values
-                out.setdefault(top, [])
-            elif top in out:  # a fixed base dict of a dotted flag: merged below
-                continue
             else:
                 out[top] = list(values)
         for top, keys in groups.items():

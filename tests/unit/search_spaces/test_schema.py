@@ -461,3 +461,23 @@ class TestFlagValues:
             "enable-chunked-prefill": [True, False],
             "long-prefill-token-threshold": [64, 1024],
         }
+
+    def test_fixed_base_dict_is_merged_not_listed_alone(self) -> None:
+        space = load_space(
+            {
+                "fixed": {"speculative-config": {"method": "ngram"}},
+                "params": {
+                    "speculative-config.num_speculative_tokens": {
+                        "type": "int",
+                        "low": 1,
+                        "high": 4,
+                    }
+                },
+            }
+        )
+        assert space.flag_values() == {
+            "speculative-config": [
+                {"method": "ngram", "num_speculative_tokens": 1},
+                {"method": "ngram", "num_speculative_tokens": 4},
+            ]
+        }
