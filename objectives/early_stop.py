@@ -184,7 +184,6 @@ class EarlyStopper:
         self.slos = tuple(slos)
         self._rules = [rule for slo in self.slos if (rule := _rule(slo)) is not None]
 
-    @property
     def active(self) -> bool:
         """True when at least one SLO can be decided early (else checking is pointless)."""
         return bool(self._rules) and self.expected > 0

@@ -146,13 +146,13 @@ class TestUndecidable:
         slo = parse_slo(text)
         assert not decidable(slo)
         stopper = EarlyStopper([slo], expected=10)
-        assert not stopper.active
+        assert not stopper.active()
         worst = Observations(ttft_ms=[1e9] * 10, tpot_ms=[1e9] * 10, e2el_ms=[1e9] * 10)
         assert stopper.check(worst) is None
 
     def test_active(self) -> None:
-        assert EarlyStopper([P95_TTFT], expected=10).active
-        assert not EarlyStopper([P95_TTFT], expected=0).active
+        assert EarlyStopper([P95_TTFT], expected=10).active()
+        assert not EarlyStopper([P95_TTFT], expected=0).active()
 
     def test_negative_expected(self) -> None:
         with pytest.raises(ValueError, match="expected"):

@@ -28,7 +28,11 @@ def test_preset_loads_and_suggests(name: str) -> None:
         args = space.suggest(trial)
         assert set(args) <= set(space.flag_values())
         assert space.enqueue_params(args) == pytest.approx(trial.params)
+        problems = check_constraints(args, ConstraintContext(8, longest_request_tokens=1))
+        assert not [p for p in problems if "speculative" in p]
         study.tell(trial, 0.0)
+    # Fixed flags are validated one by one against vLLM's parser, so none is dotted.
+    assert all("." not in flag for flag in space.fixed)
     for flag, values in space.flag_values().items():
         assert flag == flag.lower() and "_" not in flag, flag
         assert values, flag
@@ -54,9 +58,9 @@ def test_latency_speculation_is_conditional() -> None:
     assert "speculative-config" not in off
     on = space.suggest(optuna.trial.FixedTrial(_latency_params(method="ngram")))
     assert on["speculative-config"] == {
-        "prompt_lookup_min": 2,
         "method": "ngram",
         "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
         "prompt_lookup_max": 5,
     }
     ctx = ConstraintContext(gpus_per_trial=1, longest_request_tokens=100)
@@ -87,5 +91,6 @@ def _latency_params(method: str | None) -> dict[str, object]:
     }
     if method is not None:
         params["speculative-config.num_speculative_tokens"] = 4
+        params["speculative-config.prompt_lookup_min"] = 1
         params["speculative-config.prompt_lookup_max"] = 5
     return params
