@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import psutil
 
+from optimizer.engine_guard import process_start_time
 from optimizer.errors import EngineError
 from optimizer.types import EngineConfig, FailureClass, MemoryAccount
 from optimizer.vllm_flags import cache_dir, normalize_flag
@@ -372,6 +373,7 @@ class EngineProcess:
         self.engine_id = uuid.uuid4().hex
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
         self._registry_entry: Path | None = None
 
     @property
@@ -381,7 +383,7 @@ class EngineProcess:
 
     @property
     def pgid(self) -> int | None:
-        """The server's process group id (the guard's pid) once started."""
+        """The server's process group id (the guard launcher's pid) once started."""
         return self._proc.pid if self._proc else None
 
     @property
@@ -417,8 +419,11 @@ class EngineProcess:
             raise RuntimeError("engine already started")
         reap_orphans()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        guard = [sys.executable, "-m", "optimizer.engine_guard", str(os.getpid()),
-                 str(self.stop_grace_s), "--", *self.argv]
+        self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
+        self._exit_file.unlink(missing_ok=True)
+        me = os.getpid()
+        guard = [sys.executable, "-m", "optimizer.engine_guard", str(me), process_start_time(me),
+                 str(self.stop_grace_s), str(self._exit_file), "--", *self.argv]
         src_root = str(Path(__file__).resolve().parent.parent)
         env = self._env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
@@ -430,6 +435,8 @@ class EngineProcess:
                 guard, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True,
             )
+        # The launcher forks the guard and exits at once; the group keeps the launcher's pid.
+        self._proc.wait(timeout=30)
         self._register()
         try:
             self._wait_healthy(t0)
@@ -453,7 +460,7 @@ class EngineProcess:
         deadline = t0 + self.startup_timeout_s
         with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
             while True:
-                code = self._proc.poll()
+                code = self._exit_code()
                 if code is not None:
                     self._raise_failure(code)
                 try:
@@ -474,6 +481,18 @@ class EngineProcess:
                     )
                 time.sleep(0.5)
 
+    def _exit_code(self) -> int | None:
+        """The server's exit code once it ended (-1: the group vanished without a word)."""
+        try:
+            text = self._exit_file.read_text().strip()
+        except OSError:
+            text = ""
+        if text:
+            return int(text) if text.lstrip("-").isdigit() else -1
+        if self._proc is not None and not group_alive_pids(self._proc.pid):
+            return -1
+        return None
+
     def _raise_failure(self, code: int) -> None:
         cls, lines, explanation = classify_failure(self.log_text(), exit_code=code)
         raise EngineError(
@@ -488,7 +507,7 @@ class EngineProcess:
         """Raise :class:`EngineError` if the server has died since it became healthy."""
         if self._proc is None:
             raise RuntimeError("engine not started")
-        code = self._proc.poll()
+        code = self._exit_code()
         if code is not None:
             cls, lines, explanation = classify_failure(self.log_text(), exit_code=code)
             if cls is FailureClass.INVALID_ARGUMENT:
@@ -524,8 +543,6 @@ class EngineProcess:
         if proc is None:
             return
         emptied = _kill_group_and_wait(proc.pid, self.stop_grace_s)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
         if self._registry_entry is not None:
             self._registry_entry.unlink(missing_ok=True)
         if not emptied:

@@ -1,13 +1,18 @@
 """Supervisor that keeps a vLLM server from outliving the process that started it.
 
 ``EngineProcess`` does not start the server directly: it starts this guard as the leader of a
-new process group, and the guard starts the server as its child in the same group. The guard
-exits with the server's exit code, and when the owning process disappears (even by SIGKILL,
-where no cleanup code of the owner can run) it terminates the whole group: first SIGTERM, then
-SIGKILL. vLLM's ``EngineCore`` and workers inherit the group, so nothing is left holding memory
-(vllm#55510). Stdlib only, so it starts in milliseconds.
+new process group. The guard forks once and the launcher exits, so the guard is no longer a
+child of the owner: a runtime that kills its workers' children (Ray does, with SIGKILL, when an
+actor dies) cannot take the guard down and leave the server orphaned. The guard starts the
+server as its child in the same group and writes the server's exit code to a file when it ends.
+When the owning process disappears (even by SIGKILL, where no cleanup code of the owner can
+run), the guard terminates the whole group: first SIGTERM, then SIGKILL. vLLM's ``EngineCore``
+and workers inherit the group, so nothing is left holding memory (vllm#55510). Stdlib only, so
+it starts in milliseconds.
 
-Usage: ``python -m optimizer.engine_guard OWNER_PID GRACE_S -- COMMAND...``
+Usage: ``python -m optimizer.engine_guard OWNER_PID OWNER_START GRACE_S EXIT_FILE -- COMMAND...``
+where OWNER_START is the owner's start time (field 22 of /proc/PID/stat), so a recycled pid is
+never mistaken for the owner.
 """
 
 from __future__ import annotations
@@ -17,20 +22,21 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "process_start_time"]
 
 _POLL_S = 0.2
 
 
-def _alive(pid: int) -> bool:
+def process_start_time(pid: int) -> str:
+    """The kernel's start time of ``pid`` ("" when it does not exist)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name may contain spaces; fields after it are fixed.
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def _kill_group(child: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -46,14 +52,17 @@ def _kill_group(child: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the guard; returns the server's exit code."""
+    """Run the guard; returns the server's exit code (the launcher returns 0 at once)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 4 or args[2] != "--":
+    if len(args) < 6 or args[4] != "--":
         print(__doc__, file=sys.stderr)
         return 2
-    owner = int(args[0])
-    grace_s = float(args[1])
-    child = subprocess.Popen(args[3:])
+    owner, owner_start = int(args[0]), args[1]
+    grace_s = float(args[2])
+    exit_file = Path(args[3])
+    if os.fork() > 0:
+        os._exit(0)  # the launcher: the owner reaps it; the guard lives on, reparented
+    child = subprocess.Popen(args[5:])
 
     def _forward(signum: int, _frame: object) -> None:
         # A SIGTERM to the guard alone (not the group) still stops the server.
@@ -65,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         code = child.poll()
         if code is not None:
+            exit_file.write_text(str(code))
             return code
-        # Reparenting away from the owner catches pid reuse that _alive alone would miss.
-        if os.getppid() != owner or not _alive(owner):
+        if process_start_time(owner) != owner_start:
+            exit_file.write_text("owner-died")
             _kill_group(child, grace_s)
             return 137
         time.sleep(_POLL_S)

@@ -11,6 +11,7 @@ driver (one at a time), for debugging and for machines where Ray is unwanted.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 from typing import Any, Protocol
 
@@ -83,7 +84,12 @@ class _TrialActor:
     """Runs one trial inside a Ray actor process."""
 
     def run(self, spec: TrialSpec) -> TrialResult:
-        return run_trial(spec)
+        # Ray starts workers at a low priority (nice 15); the replay client and the server it
+        # starts would then lose the CPU to everything else and the client's send lag would
+        # distort every measurement. Back to normal priority where permitted.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        return run_trial(spec, isolate_client=True)
 
     def environment(self) -> dict[str, Any]:
         import ray
@@ -119,7 +125,8 @@ class RayRunner:
                 ray.init(object_store_memory=256 * 1024**2, **kwargs)
         self.capacity = capacity
         self.cpus_per_trial = cpus_per_trial
-        self._actor_cls = ray.remote(max_restarts=0)(_TrialActor)
+        # max_concurrency 2: `environment` answers while `run` is busy.
+        self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)
 
     def cluster_gpus(self) -> int:
         """GPUs the Ray cluster has."""

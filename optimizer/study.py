@@ -196,7 +196,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         flags = accepted_flags(install)
         validate_engine_args(engine_args, flags)
         validate_engine_args(baseline, flags)
-        validate_engine_args(space.fixed, flags)
+        # flag_values covers the space's fixed flags too, with dotted keys assembled.
         for flag, values in space.flag_values().items():
             for value in values:
                 validate_engine_args({flag: value}, flags)

@@ -9,8 +9,10 @@ with its whole process group, before this function returns.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import json
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -29,7 +31,7 @@ from optimizer.types import (
     TrialStatus,
 )
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, ReplaySnapshot, run_replay
+from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
 
 __all__ = ["SERVER_METRICS", "read_records", "run_trial", "write_records"]
 
@@ -63,19 +65,39 @@ def read_records(path: Path) -> list[RequestRecord]:
     return out
 
 
+def _replay(spec: TrialSpec, url: str, progress: Callable[[ReplayProgress], None] | None) -> ReplayResult:
+    slos = [parse_slo(s) for s in spec.slos]
+    return run_replay(
+        spec.trace,
+        url,
+        spec.engine.model,
+        vocab=TokenRange(*spec.token_range),
+        seed=spec.seed,
+        warmup_requests=spec.warmup_requests,
+        max_duration_s=spec.max_duration_s,
+        progress=progress,
+        max_send_lag_ms=spec.max_send_lag_ms,
+        stop_check=_early_stop(spec, slos) if spec.early_stop else None,
+    )
+
+
 def run_trial(
     spec: TrialSpec,
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
     on_engine_ready: Callable[[EngineProcess], None] | None = None,
+    isolate_client: bool = False,
 ) -> TrialResult:
     """Run one trial to completion; never raises for engine or replay failures.
 
     Args:
         spec: The trial.
-        progress: Replay progress callback.
+        progress: Replay progress callback (not with ``isolate_client``).
         on_engine_ready: Called with the healthy engine before the replay (runners use it to
             record the server's process group).
+        isolate_client: Run the replay client in a fresh process of its own. Inside a Ray actor
+            the worker's background threads compete for the GIL with the client's event loop
+            and add tens of milliseconds of send lag; a clean interpreter keeps the schedule.
 
     Returns:
         The result; ``records.jsonl.gz`` and ``result.json`` are also written to
@@ -102,20 +124,14 @@ def run_trial(
         if on_engine_ready is not None:
             on_engine_ready(engine)
         memory = engine.memory_account()
-        stop_check = _early_stop(spec, slos) if spec.early_stop else None
         t0 = time.monotonic()
-        replay = run_replay(
-            spec.trace,
-            engine.url,
-            spec.engine.model,
-            vocab=TokenRange(*spec.token_range),
-            seed=spec.seed,
-            warmup_requests=spec.warmup_requests,
-            max_duration_s=spec.max_duration_s,
-            progress=progress,
-            max_send_lag_ms=spec.max_send_lag_ms,
-            stop_check=stop_check,
-        )
+        if isolate_client:
+            with concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            ) as pool:
+                replay = pool.submit(_replay, spec, engine.url, None).result()
+        else:
+            replay = _replay(spec, engine.url, progress)
         replay_s = time.monotonic() - t0
         server_metrics = _scrape(engine)
         try:

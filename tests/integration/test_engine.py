@@ -152,8 +152,13 @@ def test_guard_killed_too_orphans_are_reaped_on_next_start(
     tiny_model: Path, tmp_path: Path, vllm_install: object
 ) -> None:
     """Owner and guard both SIGKILLed: the server is orphaned; the next start reaps it."""
+    import psutil
+
     owner, pgid = _start_owner(tiny_config(tiny_model), tmp_path / "o.log")
-    os.kill(pgid, signal.SIGKILL)  # the guard is the group leader: pid == pgid
+    guards = [p for p in group_alive_pids(pgid)
+              if "optimizer.engine_guard" in " ".join(psutil.Process(p).cmdline())]
+    assert len(guards) == 1
+    os.kill(guards[0], signal.SIGKILL)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     time.sleep(1.0)

@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from optimizer.engine import _kill_group_and_wait, group_alive_pids
+from optimizer.engine_guard import process_start_time
 
 # A fake "server": a parent that forks a grandchild ignoring SIGTERM (like a stuck EngineCore).
 FAKE_SERVER = (
@@ -20,12 +22,9 @@ FAKE_SERVER = (
 )
 
 
-def _spawn_guard(owner_pid: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "optimizer.engine_guard", str(owner_pid), "1", "--",
-         sys.executable, "-c", FAKE_SERVER],
-        start_new_session=True,
-    )
+def _guard_argv(owner: int, exit_file: Path, server: str = FAKE_SERVER) -> list[str]:
+    return [sys.executable, "-m", "optimizer.engine_guard", str(owner), process_start_time(owner),
+            "1", str(exit_file), "--", sys.executable, "-c", server]
 
 
 def _wait_members(pgid: int, n: int) -> None:
@@ -35,12 +34,34 @@ def _wait_members(pgid: int, n: int) -> None:
         time.sleep(0.05)
 
 
-def test_guard_kills_group_when_owner_dies() -> None:
-    # The owner is an intermediate process we SIGKILL; the guard is its child.
+def _wait_empty(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while group_alive_pids(pgid):
+        assert time.monotonic() < deadline, group_alive_pids(pgid)
+        time.sleep(0.1)
+
+
+def test_launcher_returns_at_once_and_the_guard_is_not_its_owners_child(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(_guard_argv(os.getpid(), tmp_path / "x"), start_new_session=True)
+    assert launcher.wait(timeout=10) == 0
+    pgid = launcher.pid
+    _wait_members(pgid, 3)  # guard, fake server, its grandchild
+    import psutil
+
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert not children & set(group_alive_pids(pgid))
+    assert _kill_group_and_wait(pgid, grace_s=0.5)
+
+
+def test_guard_kills_group_when_owner_dies(tmp_path: Path) -> None:
+    # The owner is an intermediate process we SIGKILL.
     owner = subprocess.Popen(
         [sys.executable, "-c",
-         "import subprocess, sys, time\n"
-         f"p = subprocess.Popen([sys.executable, '-m', 'optimizer.engine_guard', str(__import__('os').getpid()), '1', '--', sys.executable, '-c', {FAKE_SERVER!r}], start_new_session=True)\n"
+         "import os, subprocess, sys, time\n"
+         "from optimizer.engine_guard import process_start_time\n"
+         f"argv = [sys.executable, '-m', 'optimizer.engine_guard', str(os.getpid()), process_start_time(os.getpid()), '1', {str(tmp_path / 'x')!r}, '--', sys.executable, '-c', {FAKE_SERVER!r}]\n"
+         "p = subprocess.Popen(argv, start_new_session=True)\n"
+         "p.wait()\n"
          "print(p.pid, flush=True)\n"
          "time.sleep(600)\n"],
         stdout=subprocess.PIPE, text=True,
@@ -50,27 +71,35 @@ def test_guard_kills_group_when_owner_dies() -> None:
     _wait_members(pgid, 3)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    deadline = time.monotonic() + 15
-    while group_alive_pids(pgid):
-        assert time.monotonic() < deadline, group_alive_pids(pgid)
-        time.sleep(0.1)
+    _wait_empty(pgid, 15)
+    assert (tmp_path / "x").read_text() == "owner-died"
 
 
-def test_teardown_escalates_to_sigkill_and_waits_for_empty_group() -> None:
-    guard = _spawn_guard(os.getpid())
-    _wait_members(guard.pid, 3)
+def test_teardown_escalates_to_sigkill_and_waits_for_empty_group(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(_guard_argv(os.getpid(), tmp_path / "x"), start_new_session=True)
+    launcher.wait(timeout=10)
+    _wait_members(launcher.pid, 3)
     t0 = time.monotonic()
-    assert _kill_group_and_wait(guard.pid, grace_s=1.0)
-    guard.wait(timeout=5)
-    assert group_alive_pids(guard.pid) == []
+    assert _kill_group_and_wait(launcher.pid, grace_s=1.0)
+    assert group_alive_pids(launcher.pid) == []
     # The grandchild ignored SIGTERM, so only SIGKILL after the grace ended it.
     assert time.monotonic() - t0 >= 1.0
 
 
-def test_guard_returns_the_server_exit_code() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "optimizer.engine_guard", str(os.getpid()), "1", "--",
-         sys.executable, "-c", "raise SystemExit(7)"],
-        timeout=30,
-    )
-    assert proc.returncode == 7
+def test_guard_records_the_server_exit_code(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    launcher = subprocess.Popen(_guard_argv(os.getpid(), exit_file, "raise SystemExit(7)"),
+                                start_new_session=True)
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while not exit_file.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert exit_file.read_text() == "7"
+
+
+def test_start_time_tells_a_recycled_pid_apart() -> None:
+    assert process_start_time(os.getpid()) != ""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert process_start_time(dead.pid) == ""
