@@ -11,6 +11,13 @@ VENV="${VLLM_AUTOTUNE_VENV:-$ROOT/.venv}"
 export PATH="$VENV/bin:$PATH"
 # Keep caches of this run inside the checkout so a run never depends on a previous one.
 export VLLM_AUTOTUNE_CACHE="${VLLM_AUTOTUNE_CACHE:-$ROOT/.cache/vllm-autotune}"
+# A real PostgreSQL server for the multi-driver study test (root only: it installs and runs it).
+if [ "$(id -u)" = 0 ] && [ -z "${VLLM_AUTOTUNE_TEST_POSTGRES:-}" ]; then
+  PGDIR="$(mktemp -d /tmp/vllm-autotune-pg.XXXXXX)"
+  trap 'bash "$ROOT/deploy/ci-postgres.sh" stop "$PGDIR"' EXIT
+  VLLM_AUTOTUNE_TEST_POSTGRES="$(bash deploy/ci-postgres.sh start "$PGDIR")"
+  export VLLM_AUTOTUNE_TEST_POSTGRES
+fi
 echo "== ruff"
 ruff check optimizer objectives search_spaces tests benchmarks
 echo "== mypy (strict on the packages)"

@@ -55,8 +55,9 @@ def _has_weights(model: str) -> bool:
     return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.pt"))
 
 
-def engine_config_for(model: str, engine_args: dict[str, Any], *, python: str | None,
-                      kv_cache_gib: float | None) -> tuple[Any, list[str]]:
+def engine_config_for(
+    model: str, engine_args: dict[str, Any], *, python: str | None, kv_cache_gib: float | None
+) -> tuple[Any, list[str]]:
     """Build an EngineConfig with the defaults a local run needs; returns it and notes to show.
 
     A model folder without weight files gets ``load-format: dummy``; the CPU build gets
@@ -76,7 +77,9 @@ def engine_config_for(model: str, engine_args: dict[str, Any], *, python: str | 
     args = dict(engine_args)
     if "load-format" not in args and "load_format" not in args and not _has_weights(model):
         args["load-format"] = "dummy"
-        notes.append("no weight files in the model folder: using load-format=dummy (random weights)")
+        notes.append(
+            "no weight files in the model folder: using load-format=dummy (random weights)"
+        )
     install = installed_vllm(python)
     validate_engine_args(args, accepted_flags(install))
     env: dict[str, str] = {}
@@ -115,7 +118,9 @@ def _memory_table(account: Any, startup_s: float | None) -> Table:
     table.add_row("startup (launch to healthy)", f"{startup_s:.1f} s" if startup_s else "-")
     for key in account.__slots__:
         value = getattr(account, key)
-        table.add_row(key, "-" if value is None else f"{value:,}" if isinstance(value, int) else f"{value:g}")
+        table.add_row(
+            key, "-" if value is None else f"{value:,}" if isinstance(value, int) else f"{value:g}"
+        )
     return table
 
 
@@ -130,8 +135,9 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
     for note in notes:
         console.print(f"[dim]{note}[/]")
     log_path = Path(ns.log or Path(ns.workdir) / f"engine-check-{int(time.time())}.log")
-    engine = EngineProcess(config, log_path=log_path, python=ns.python,
-                           startup_timeout_s=ns.startup_timeout)
+    engine = EngineProcess(
+        config, log_path=log_path, python=ns.python, startup_timeout_s=ns.startup_timeout
+    )
     console.print(f"starting vLLM ({' '.join(engine.argv[1:])}); log: {log_path}")
     try:
         with console.status("waiting for /health ..."):
@@ -151,13 +157,21 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
         if Path(ns.model).is_dir():
             with_info = model_info(ns.model)
             low = with_info.prompt_low
-        body = {"model": ns.model, "prompt": list(range(low, low + 32)), "max_tokens": 16,
-                "ignore_eos": True, "stream": False, "skip_special_tokens": False}
+        body = {
+            "model": ns.model,
+            "prompt": list(range(low, low + 32)),
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": False,
+            "skip_special_tokens": False,
+        }
         t0 = time.monotonic()
         resp = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120)
         took = time.monotonic() - t0
         if resp.status_code != 200:
-            err_console.print(f"[bold red]request failed: HTTP {resp.status_code}[/] {resp.text[:300]}")
+            err_console.print(
+                f"[bold red]request failed: HTTP {resp.status_code}[/] {resp.text[:300]}"
+            )
             return 1
         usage = resp.json().get("usage", {})
         console.print(
@@ -167,27 +181,59 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
     finally:
         with console.status("stopping the server ..."):
             engine.stop()
-    console.print("[green]engine check passed[/]: server started, answered, stopped (no process left)")
+    console.print(
+        "[green]engine check passed[/]: server started, answered, stopped (no process left)"
+    )
     return 0
 
 
 def _add_shaping(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("shaping (applied in this order: window, sample, compress, rate, lengths, clip)")
+    g = p.add_argument_group(
+        "shaping (applied in this order: window, sample, compress, rate, lengths, clip)"
+    )
     g.add_argument("--format", default="auto", help="trace format (default: detect)")
-    g.add_argument("--skip-bad-rows", action="store_true",
-                   help="skip and count malformed rows instead of failing on the first")
-    g.add_argument("--window", default=None, metavar="START:END",
-                   help="keep requests arriving in [START, END) seconds (END may be empty)")
-    g.add_argument("--sample", type=float, default=None, metavar="FRACTION",
-                   help="keep this share of requests (seeded)")
-    g.add_argument("--compress", type=float, default=None, metavar="FACTOR",
-                   help="divide inter-arrival times by FACTOR")
-    g.add_argument("--duration", type=float, default=None, metavar="SECONDS",
-                   help="compress (or stretch) the trace to last SECONDS")
+    g.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="skip and count malformed rows instead of failing on the first",
+    )
+    g.add_argument(
+        "--window",
+        default=None,
+        metavar="START:END",
+        help="keep requests arriving in [START, END) seconds (END may be empty)",
+    )
+    g.add_argument(
+        "--sample",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="keep this share of requests (seeded)",
+    )
+    g.add_argument(
+        "--compress",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="divide inter-arrival times by FACTOR",
+    )
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="compress (or stretch) the trace to last SECONDS",
+    )
     g.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate")
-    g.add_argument("--length-scale", type=float, default=None, help="multiply input and output lengths")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="clip lengths so input + output fits this context")
+    g.add_argument(
+        "--length-scale", type=float, default=None, help="multiply input and output lengths"
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="clip lengths so input + output fits this context",
+    )
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
     g.add_argument("--seed", type=int, default=0, help="seed for sampling and prompts")
 
@@ -206,9 +252,15 @@ def shape_spec_from(ns: argparse.Namespace) -> Any:
         if not sep:
             raise ConfigError(f"--window {ns.window!r}: expected START:END in seconds, e.g. 0:600")
     return ShapeSpec(
-        window_s=window, sample_fraction=ns.sample, compress=ns.compress,
-        target_duration_s=ns.duration, rate_scale=ns.rate_scale, length_scale=ns.length_scale,
-        max_model_len=ns.max_model_len, max_output_tokens=ns.max_output_tokens, seed=ns.seed,
+        window_s=window,
+        sample_fraction=ns.sample,
+        compress=ns.compress,
+        target_duration_s=ns.duration,
+        rate_scale=ns.rate_scale,
+        length_scale=ns.length_scale,
+        max_model_len=ns.max_model_len,
+        max_output_tokens=ns.max_output_tokens,
+        seed=ns.seed,
     )
 
 
@@ -262,9 +314,14 @@ def _summary_table(summary: dict[str, float], title: str) -> Table:
     table.add_column("p50", justify="right")
     table.add_column("p95", justify="right")
     table.add_column("p99", justify="right")
-    for fam, label in (("ttft", "TTFT (ms)"), ("ttft_from_scheduled", "TTFT from schedule (ms)"),
-                       ("tpot", "TPOT (ms)"), ("itl", "ITL (ms)"), ("e2el", "E2EL (ms)"),
-                       ("send_lag", "send lag (ms)")):
+    for fam, label in (
+        ("ttft", "TTFT (ms)"),
+        ("ttft_from_scheduled", "TTFT from schedule (ms)"),
+        ("tpot", "TPOT (ms)"),
+        ("itl", "ITL (ms)"),
+        ("e2el", "E2EL (ms)"),
+        ("send_lag", "send lag (ms)"),
+    ):
         cells = [summary.get(f"{k}_{fam}_ms", float("nan")) for k in ("mean", "p50", "p95", "p99")]
         table.add_row(label, *(f"{v:.1f}" for v in cells))
     return table
@@ -300,22 +357,37 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     else:
         token_range = (1000, 30000)
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console,
-                  # Rendering holds the GIL: a slow refresh keeps the replay's send lag low.
-                  refresh_per_second=2) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[detail]}"),
+        TimeElapsedColumn(),
+        console=console,
+        # Rendering holds the GIL: a slow refresh keeps the replay's send lag low.
+        refresh_per_second=2,
+    ) as bar:
         task = bar.add_task("replay", total=len(trace), detail="")
 
         def on_progress(p: ReplayProgress) -> None:
-            bar.update(task, completed=p.completed + p.failed,
-                       detail=f"sent {p.sent} in-flight {p.in_flight} failed {p.failed}")
+            bar.update(
+                task,
+                completed=p.completed + p.failed,
+                detail=f"sent {p.sent} in-flight {p.in_flight} failed {p.failed}",
+            )
 
         if ns.url:
             if not served:
                 raise ConfigError("--url needs --served-model (the model name the server serves)")
             result = run_replay(
-                trace, ns.url, served, vocab=TokenRange(*token_range), seed=ns.seed,
-                warmup_requests=ns.warmup, max_duration_s=ns.max_duration, progress=on_progress,
+                trace,
+                ns.url,
+                served,
+                vocab=TokenRange(*token_range),
+                seed=ns.seed,
+                warmup_requests=ns.warmup,
+                max_duration_s=ns.max_duration,
+                progress=on_progress,
             )
             summary = dict(summarize(result.records, slos=slos))
             summary["p99_send_lag_ms"] = result.p99_send_lag_ms
@@ -323,20 +395,31 @@ def cmd_replay(ns: argparse.Namespace) -> int:
             kept, message = result.schedule_kept, result.message
         else:
             config, notes = engine_config_for(
-                ns.model, parse_engine_args(ns.engine_arg), python=ns.python,
+                ns.model,
+                parse_engine_args(ns.engine_arg),
+                python=ns.python,
                 kv_cache_gib=ns.kv_cache_gib,
             )
             for note in notes:
                 console.print(f"[dim]{note}[/]")
             bar.update(task, detail="starting the engine ...")
             spec = TrialSpec(
-                number=0, engine=config, trace=trace, workdir=str(out),
-                token_range=token_range, seed=ns.seed, warmup_requests=ns.warmup,
-                max_duration_s=ns.max_duration, slos=tuple(ns.slo), python=ns.python,
+                number=0,
+                engine=config,
+                trace=trace,
+                workdir=str(out),
+                token_range=token_range,
+                seed=ns.seed,
+                warmup_requests=ns.warmup,
+                max_duration_s=ns.max_duration,
+                slos=tuple(ns.slo),
+                python=ns.python,
             )
             trial = run_trial(spec, progress=on_progress)
             if trial.status is TrialStatus.FAILED:
-                err_console.print(f"[bold red]engine failed: {trial.failure_class}[/]\n{trial.message}")
+                err_console.print(
+                    f"[bold red]engine failed: {trial.failure_class}[/]\n{trial.message}"
+                )
                 for line in trial.log_lines[:8]:
                     err_console.print(f"  [dim]{line[:240]}[/]")
                 return 1
@@ -388,7 +471,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         job, base = load_job({**job.model_dump(), **overrides}, base=base)
     with console.status("checking the job against the installed vLLM ..."):
         plan = prepare(job, base)
-    console.print(f"study [bold]{job.name}[/] -> {plan.out}  ({plan.vllm}; storage {plan.storage_url})")
+    console.print(
+        f"study [bold]{job.name}[/] -> {plan.out}  ({plan.vllm}; storage {plan.storage_url})"
+    )
     for note in plan.trace_notes:
         console.print(f"[dim]{note}[/]")
     t0 = time.monotonic()
@@ -406,9 +491,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             if r.failure_class:
                 text += f" ({r.failure_class.value})"
             if s.get("completed"):
-                text += (f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
-                         f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
-                         f"{s.get('output_throughput', 0):.1f} tok/s")
+                text += (
+                    f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
+                    f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
+                    f"{s.get('output_throughput', 0):.1f} tok/s"
+                )
             if r.startup_s:
                 text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
             console.print(text)
@@ -482,30 +569,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write a weight-less model folder for --load-format dummy")
+    p = sub.add_parser(
+        "make-model", help="write a weight-less model folder for --load-format dummy"
+    )
     p.add_argument("dir")
     from optimizer.modelgen import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="lower the model's context length (max_position_embeddings)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="lower the model's context length (max_position_embeddings)",
+    )
     p.set_defaults(func=cmd_make_model)
 
-    eng = sub.add_parser("engine", help="engine utilities").add_subparsers(dest="engine_cmd", required=True)
-    p = eng.add_parser("check", help="start a server, print its memory account, send one request, stop")
+    eng = sub.add_parser("engine", help="engine utilities").add_subparsers(
+        dest="engine_cmd", required=True
+    )
+    p = eng.add_parser(
+        "check", help="start a server, print its memory account, send one request, stop"
+    )
     p.add_argument("--model", required=True, help="model folder (make-model) or hub name")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a vllm serve flag, e.g. max-num-seqs=64 (repeatable)")
-    p.add_argument("--python", default=None, help="interpreter with vLLM installed (default: this one)")
-    p.add_argument("--kv-cache-gib", type=int, default=None,
-                   help="CPU build: KV cache size in whole GiB (default 2)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vllm serve flag, e.g. max-num-seqs=64 (repeatable)",
+    )
+    p.add_argument(
+        "--python", default=None, help="interpreter with vLLM installed (default: this one)"
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="CPU build: KV cache size in whole GiB (default 2)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for /health"
+    )
     p.add_argument("--workdir", default=".", help="folder for the server log")
     p.add_argument("--log", default=None, help="server log file (default: in --workdir)")
     p.set_defaults(func=cmd_engine_check)
 
     tr = sub.add_parser("trace", help="inspect and convert traces").add_subparsers(
-        dest="trace_cmd", required=True)
+        dest="trace_cmd", required=True
+    )
     p = tr.add_parser("inspect", help="rate, burstiness, lengths and prefix reuse of a trace")
     p.add_argument("trace")
     p.add_argument("--format", default="auto")
@@ -515,12 +626,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = tr.add_parser("convert", help="import (and shape) a trace into canonical JSONL")
     p.add_argument("trace")
     p.add_argument("out")
-    p.add_argument("--to", default="canonical", choices=["canonical", "vllm-custom"],
-                   help="canonical JSONL, or vLLM's custom dataset for `vllm bench serve`")
+    p.add_argument(
+        "--to",
+        default="canonical",
+        choices=["canonical", "vllm-custom"],
+        help="canonical JSONL, or vLLM's custom dataset for `vllm bench serve`",
+    )
     _add_shaping(p)
     p.set_defaults(func=cmd_trace_convert)
 
-    p = sub.add_parser("replay", help="replay a trace open-loop against a vLLM server and measure it")
+    p = sub.add_parser(
+        "replay", help="replay a trace open-loop against a vLLM server and measure it"
+    )
     p.add_argument("--trace", required=True)
     p.add_argument("--url", default=None, help="a running server's base URL")
     p.add_argument("--served-model", default=None, help="model name the server serves (with --url)")
@@ -528,8 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--python", default=None)
     p.add_argument("--kv-cache-gib", type=int, default=None)
-    p.add_argument("--token-range", default=None, metavar="LOW:HIGH",
-                   help="token ids prompts may use (default: from the model folder)")
+    p.add_argument(
+        "--token-range",
+        default=None,
+        metavar="LOW:HIGH",
+        help="token ids prompts may use (default: from the model folder)",
+    )
     p.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
     p.add_argument("--max-duration", type=float, default=None, help="stop the replay after SECONDS")
     p.add_argument("--slo", action="append", default=[], help="e.g. p95_ttft_ms<=500 (for goodput)")
@@ -542,8 +663,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, help="stop launching after e.g. 8h or 90m")
     p.add_argument("--until", default=None, help="stop launching at local time HH:MM")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster")
-    p.add_argument("--runner", default="ray", choices=["ray", "local"],
-                   help="ray: one actor per trial pinned to its GPUs (default); local: in-process")
+    p.add_argument(
+        "--runner",
+        default="ray",
+        choices=["ray", "local"],
+        help="ray: one actor per trial pinned to its GPUs (default); local: in-process",
+    )
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.set_defaults(func=cmd_tune)
 

@@ -162,6 +162,8 @@ class JobConfig(_Strict):
         out: Output folder (default: ``runs/<name>`` beside the job file).
         ray_address: Join this Ray cluster instead of starting a local one.
         retries: How often a trial whose replay was invalid is re-run before giving up.
+        enqueue: Configurations (engine arguments of the search space) to try right after the
+            baseline, e.g. the one in production today.
         mlflow: MLflow settings.
     """
 
@@ -181,6 +183,7 @@ class JobConfig(_Strict):
     out: str | None = None
     ray_address: str | None = None
     retries: int = Field(default=2, ge=0)
+    enqueue: list[dict[str, Any]] = Field(default_factory=list)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
 
     @field_validator("budget")
@@ -219,7 +222,9 @@ def _resolve(path: str, base: Path) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
-_BUDGET = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*$")
+_BUDGET = re.compile(
+    r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*$"
+)
 
 
 def parse_budget(text: str) -> timedelta:
@@ -281,7 +286,9 @@ def _explain(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_job(source: str | Path | dict[str, Any], *, base: Path | None = None) -> tuple[JobConfig, Path]:
+def load_job(
+    source: str | Path | dict[str, Any], *, base: Path | None = None
+) -> tuple[JobConfig, Path]:
     """Read and validate a job.
 
     Args:
@@ -321,9 +328,11 @@ def load_job(source: str | Path | dict[str, Any], *, base: Path | None = None) -
     space: str | dict[str, Any] = job.search_space
     if isinstance(space, str) and space.endswith((".yaml", ".yml")):
         space = str(_resolve(space, folder))
-    job = job.model_copy(update={
-        "model": job.model.model_copy(update={"path": model_path}),
-        "trace": job.trace.model_copy(update={"path": str(_resolve(job.trace.path, folder))}),
-        "search_space": space,
-    })
+    job = job.model_copy(
+        update={
+            "model": job.model.model_copy(update={"path": model_path}),
+            "trace": job.trace.model_copy(update={"path": str(_resolve(job.trace.path, folder))}),
+            "search_space": space,
+        }
+    )
     return job, folder

@@ -40,15 +40,15 @@ from optimizer.vllm_flags import cache_dir, normalize_flag
 __all__ = [
     "EngineProcess",
     "build_argv",
-    "cpu_engine_env",
-    "running_engine",
     "classify_failure",
+    "cpu_engine_env",
     "free_port",
     "group_alive_pids",
     "info_labels",
     "parse_memory_account",
     "parse_prometheus",
     "reap_orphans",
+    "running_engine",
 ]
 
 ENGINE_ID_ENV = "VLLM_AUTOTUNE_ENGINE_ID"
@@ -83,8 +83,17 @@ def build_argv(config: EngineConfig, *, python: str, host: str, port: int) -> li
     ``True`` writes the bare flag, ``False`` the ``--no-`` form (vLLM's BooleanOptionalAction),
     dicts become JSON (e.g. ``speculative-config``).
     """
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", config.model, "--host", host, "--port", str(port)]
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     for name, value in config.args.items():
         argv += _flag_words(name, value)
     return argv
@@ -104,7 +113,9 @@ _OOM = re.compile(
     r"|less than desired GPU memory utilization|MemoryError",
     re.IGNORECASE,
 )
-_CUDA = re.compile(r"CUDA error|NCCL error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|illegal memory access")
+_CUDA = re.compile(
+    r"CUDA error|NCCL error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|illegal memory access"
+)
 _INVALID = re.compile(
     r"error: unrecognized arguments|error: argument |invalid choice|ValidationError|Value error, "
     r"|ValueError|NotImplementedError|is not supported|must be (?:greater|less|at least|a multiple)"
@@ -117,7 +128,9 @@ _KV_NUMBERS = re.compile(
 )
 
 
-def classify_failure(log_text: str, *, exit_code: int | None) -> tuple[FailureClass, tuple[str, ...], str]:
+def classify_failure(
+    log_text: str, *, exit_code: int | None
+) -> tuple[FailureClass, tuple[str, ...], str]:
     """Classify a server failure from its log.
 
     Returns:
@@ -139,8 +152,10 @@ def classify_failure(log_text: str, *, exit_code: int | None) -> tuple[FailureCl
             relevant = tuple(dict.fromkeys(hits[-5:] + lines[-_LOG_TAIL_LINES:]))
             return cls, relevant, _explain(cls, "\n".join(hits))
     tail = tuple(lines[-_LOG_TAIL_LINES:])
-    return FailureClass.ENGINE_CRASHED, tail, _explain(
-        FailureClass.ENGINE_CRASHED, f"exit code {exit_code}"
+    return (
+        FailureClass.ENGINE_CRASHED,
+        tail,
+        _explain(FailureClass.ENGINE_CRASHED, f"exit code {exit_code}"),
     )
 
 
@@ -200,7 +215,8 @@ def _explain(cls: FailureClass, evidence: str) -> str:
 _MEM_PATTERNS: dict[str, re.Pattern[str]] = {
     "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
     "kv_cache_gib": re.compile(
-        r"Available KV cache memory: ([\d.]+) GiB|Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache"
+        r"Available KV cache memory: ([\d.]+) GiB"
+        r"|Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache"
     ),
     "kv_cache_tokens": re.compile(r"KV cache size: ([\d,]+) tokens"),
     "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"),
@@ -229,7 +245,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
     """Prometheus text exposition -> {sample name with labels: value}.
 
     The ``model_name`` and ``engine`` labels are dropped (one engine per server here), so keys
-    read like ``vllm:num_preemptions_total`` or ``vllm:request_success_total{finished_reason="length"}``.
+    read like ``vllm:num_preemptions_total`` or
+    ``vllm:request_success_total{finished_reason="length"}``.
     """
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -254,7 +271,7 @@ def info_labels(metrics_text: str, name: str) -> dict[str, str]:
     """Labels of an info-style gauge such as ``vllm:cache_config_info`` ({} if absent)."""
     for line in metrics_text.splitlines():
         if line.startswith(name + "{"):
-            return dict(_LABEL.findall(line[len(name):line.rfind("}") + 1]))
+            return dict(_LABEL.findall(line[len(name) : line.rfind("}") + 1]))
     return {}
 
 
@@ -422,8 +439,17 @@ class EngineProcess:
         self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
         self._exit_file.unlink(missing_ok=True)
         me = os.getpid()
-        guard = [sys.executable, "-m", "optimizer.engine_guard", str(me), process_start_time(me),
-                 str(self.stop_grace_s), str(self._exit_file), "--", *self.argv]
+        guard = [
+            sys.executable,
+            "-m",
+            "optimizer.engine_guard",
+            str(me),
+            process_start_time(me),
+            str(self.stop_grace_s),
+            str(self._exit_file),
+            "--",
+            *self.argv,
+        ]
         src_root = str(Path(__file__).resolve().parent.parent)
         env = self._env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
@@ -432,8 +458,12 @@ class EngineProcess:
             log.write(f"# vllm-autotune: {' '.join(self.argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                guard, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
+                guard,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
             )
         # The launcher forks the guard and exits at once; the group keeps the launcher's pid.
         self._proc.wait(timeout=30)
@@ -449,10 +479,17 @@ class EngineProcess:
         assert self._proc is not None
         me = psutil.Process()
         entry = _registry() / f"{self._proc.pid}.json"
-        entry.write_text(json.dumps({
-            "pgid": self._proc.pid, "engine_id": self.engine_id, "owner_pid": me.pid,
-            "owner_create_time": me.create_time(), "log": str(self.log_path),
-        }))
+        entry.write_text(
+            json.dumps(
+                {
+                    "pgid": self._proc.pid,
+                    "engine_id": self.engine_id,
+                    "owner_pid": me.pid,
+                    "owner_create_time": me.create_time(),
+                    "log": str(self.log_path),
+                }
+            )
+        )
         self._registry_entry = entry
 
     def _wait_healthy(self, t0: float) -> None:
@@ -513,8 +550,11 @@ class EngineProcess:
             if cls is FailureClass.INVALID_ARGUMENT:
                 cls = FailureClass.ENGINE_CRASHED
             raise EngineError(
-                f"vLLM server died with code {code}", failure_class=cls, log_lines=lines,
-                log_path=str(self.log_path), explanation=explanation,
+                f"vLLM server died with code {code}",
+                failure_class=cls,
+                log_lines=lines,
+                log_path=str(self.log_path),
+                explanation=explanation,
             )
 
     def memory_account(self) -> MemoryAccount:
@@ -547,7 +587,8 @@ class EngineProcess:
             self._registry_entry.unlink(missing_ok=True)
         if not emptied:
             raise EngineError(
-                f"processes {group_alive_pids(proc.pid)} of engine group {proc.pid} survived SIGKILL",
+                f"processes {group_alive_pids(proc.pid)} of engine group {proc.pid} "
+                "survived SIGKILL",
                 failure_class=FailureClass.ENGINE_CRASHED,
                 log_path=str(self.log_path),
             )

@@ -156,11 +156,15 @@ def _build_tokenizer(vocab_size: int, special: dict[int, str]) -> Any:
     # every id decodes to its own non-empty string (Fuse joins tokens without separators).
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special.values()])
+    tok.add_special_tokens(
+        [AddedToken(name, special=True, normalized=False) for name in special.values()]
+    )
     return tok
 
 
-def make_model(directory: str | Path, preset: str = "tiny", *, max_model_len: int | None = None) -> Path:
+def make_model(
+    directory: str | Path, preset: str = "tiny", *, max_model_len: int | None = None
+) -> Path:
     """Write a servable weight-less model folder for ``--load-format dummy``.
 
     Args:
@@ -182,35 +186,55 @@ def make_model(directory: str | Path, preset: str = "tiny", *, max_model_len: in
         spec["max_position_embeddings"] = int(max_model_len)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config = {**spec, "transformers_version": "4.46.0", "use_cache": True,
-              "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-              "initializer_range": 0.02, "pretraining_tp": 1}
+    config = {
+        **spec,
+        "transformers_version": "4.46.0",
+        "use_cache": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+    }
     if spec["model_type"] == "qwen2":
         config.pop("attention_bias")
         config.pop("mlp_bias")
         config.pop("pretraining_tp")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": spec["bos_token_id"],
-        "eos_token_id": spec["eos_token_id"],
-        "do_sample": False,
-    }, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": spec["bos_token_id"],
+                "eos_token_id": spec["eos_token_id"],
+                "do_sample": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     tok = _build_tokenizer(int(spec["vocab_size"]), special)
     tok.save(str(out / "tokenizer.json"))
     bos, eos = special[spec["bos_token_id"]], special[spec["eos_token_id"]]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": eos,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": spec["max_position_embeddings"],
-        "vllm_autotune_preset": preset,
-    }, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": bos,
+                "eos_token": eos,
+                "pad_token": eos,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": spec["max_position_embeddings"],
+                "vllm_autotune_preset": preset,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
+    )
     return out
 
 
@@ -228,8 +252,10 @@ def model_info(directory: str | Path) -> ModelInfo:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read model config ({exc}); make one with "
-                          "`vllm-autotune make-model DIR --preset tiny`") from exc
+        raise ConfigError(
+            f"{path}: cannot read model config ({exc}); make one with "
+            "`vllm-autotune make-model DIR --preset tiny`"
+        ) from exc
     vocab = int(cfg.get("text_config", cfg).get("vocab_size", 32000))
     specials: set[int] = set()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

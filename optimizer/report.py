@@ -16,7 +16,15 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.table import Table
 
-__all__ = ["FrontRow", "StudyStatus", "front_rows", "front_table", "gain_pct", "status_table", "study_status"]
+__all__ = [
+    "FrontRow",
+    "StudyStatus",
+    "front_rows",
+    "front_table",
+    "gain_pct",
+    "status_table",
+    "study_status",
+]
 
 
 @dataclass(frozen=True)
@@ -74,14 +82,26 @@ def front_rows(study: optuna.Study) -> list[FrontRow]:
         values = tuple(float(v) for v in (t.values or ()))
         gains: tuple[float | None, ...] = tuple(
             gain_pct(v, b, d)
-            for v, b, d in zip(values, base.values if base and base.values else [math.nan] * len(values),
-                               study.directions, strict=False)
+            for v, b, d in zip(
+                values,
+                base.values if base and base.values else [math.nan] * len(values),
+                study.directions,
+                strict=False,
+            )
         )
         args = _args(t)
         changed = {k: v for k, v in args.items() if base_args.get(k) != v}
         changed.update({k: "(default)" for k in base_args if k not in args})
-        rows.append(FrontRow(number=t.number, baseline=t is base, values=values, gains_pct=gains,
-                             changed=changed if t is not base else {}, feasible=_feasible(t)))
+        rows.append(
+            FrontRow(
+                number=t.number,
+                baseline=t is base,
+                values=values,
+                gains_pct=gains,
+                changed=changed if t is not base else {},
+                feasible=_feasible(t),
+            )
+        )
     return rows
 
 
@@ -132,8 +152,11 @@ class StudyStatus:
 def study_status(study: optuna.Study) -> StudyStatus:
     """Count trials by state and status; the best value of each objective among feasible trials."""
     trials = study.get_trials(deepcopy=False)
-    statuses = Counter(str(t.user_attrs.get("status", t.state.name.lower())) for t in trials
-                       if t.state != TrialState.RUNNING)
+    statuses = Counter(
+        str(t.user_attrs.get("status", t.state.name.lower()))
+        for t in trials
+        if t.state != TrialState.RUNNING
+    )
     feasible = [t for t in trials if t.state == TrialState.COMPLETE and _feasible(t)]
     best: dict[str, float] = {}
     for i, (name, d) in enumerate(zip(_metric_names(study), study.directions, strict=True)):
@@ -143,7 +166,9 @@ def study_status(study: optuna.Study) -> StudyStatus:
     return StudyStatus(
         done=sum(1 for t in trials if t.state == TrialState.COMPLETE),
         running=sum(1 for t in trials if t.state == TrialState.RUNNING),
-        failed=statuses.get("failed", 0) + statuses.get("invalid_replay", 0) + statuses.get("driver_died", 0),
+        failed=statuses.get("failed", 0)
+        + statuses.get("invalid_replay", 0)
+        + statuses.get("driver_died", 0),
         infeasible=sum(1 for t in trials if t.state == TrialState.COMPLETE and not _feasible(t)),
         front_size=sum(1 for t in study.best_trials if _feasible(t)),
         best=best,
@@ -165,11 +190,17 @@ def status_table(study: optuna.Study) -> Table:
         status = str(t.user_attrs.get("status", t.state.name.lower()))
         if t.user_attrs.get("baseline"):
             status += " (baseline)"
-        vals = [f"{v:,.1f}" for v in t.values] if t.values and status.startswith("complete") else ["-"] * len(names)
+        vals = (
+            [f"{v:,.1f}" for v in t.values]
+            if t.values and status.startswith("complete")
+            else ["-"] * len(names)
+        )
         slo = "-" if not t.constraints else ("met" if _feasible(t) else "missed")
         detail = str(t.user_attrs.get("failure_class") or "")
         if not detail:
             args = _args(t)
-            detail = ", ".join(f"{k}={v}" for k, v in sorted(args.items()) if k not in ("load-format",))
+            detail = ", ".join(
+                f"{k}={v}" for k, v in sorted(args.items()) if k not in ("load-format",)
+            )
         table.add_row(str(t.number), status, *vals, slo, detail[:120])
     return table

@@ -36,7 +36,9 @@ class TrialHandle(Protocol):
 
 
 class _Handle:
-    def __init__(self, spec: TrialSpec, future: concurrent.futures.Future[TrialResult], actor: Any = None) -> None:
+    def __init__(
+        self, spec: TrialSpec, future: concurrent.futures.Future[TrialResult], actor: Any = None
+    ) -> None:
         self.spec = spec
         self.future = future
         self.actor = actor
@@ -66,7 +68,9 @@ class LocalRunner:
     capacity = 1
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trial")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="trial"
+        )
 
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
         return _Handle(spec, self._pool.submit(run_trial, spec))
@@ -111,13 +115,18 @@ class RayRunner:
         cpus_per_trial: CPU resources each actor asks for.
     """
 
-    def __init__(self, address: str | None = None, *, capacity: int = 1, cpus_per_trial: float = 1.0) -> None:
+    def __init__(
+        self, address: str | None = None, *, capacity: int = 1, cpus_per_trial: float = 1.0
+    ) -> None:
         import ray
 
         self._ray = ray
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                      "configure_logging": False}
+            kwargs: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "configure_logging": False,
+            }
             if address:
                 ray.init(address=address, **kwargs)
             else:
@@ -126,11 +135,12 @@ class RayRunner:
         self.capacity = capacity
         self.cpus_per_trial = cpus_per_trial
         # max_concurrency 2: `environment` answers while `run` is busy.
-        self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)
+        self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)  # type: ignore[call-overload]
 
     def cluster_gpus(self) -> int:
         """GPUs the Ray cluster has."""
-        return int(self._ray.cluster_resources().get("GPU", 0))
+        resources: dict[str, float] = self._ray.cluster_resources()  # type: ignore[no-untyped-call]
+        return int(resources.get("GPU", 0))
 
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
         actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote()

@@ -111,7 +111,9 @@ class StudyEvent:
     detail: str = ""
 
 
-def baseline_defaults(is_cpu_build: bool, gpu_memory_gib: float = 0.0, gpu_name: str = "") -> dict[str, int]:
+def baseline_defaults(
+    is_cpu_build: bool, gpu_memory_gib: float = 0.0, gpu_name: str = ""
+) -> dict[str, int]:
     """vLLM's own max-num-seqs / max-num-batched-tokens defaults for the API server here.
 
     They depend on the device (DESIGN.md §7.5), so the baseline passes them explicitly: the same
@@ -134,10 +136,17 @@ def _gpu_facts() -> tuple[int, float, str]:
     if not shutil.which("nvidia-smi"):
         return 0, 0.0, ""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.SubprocessError):
         return 0, 0.0, ""
     if not out:
@@ -163,34 +172,55 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     if job.model.make and not (Path(model) / "config.json").exists():
         make_model(model, job.model.make, max_model_len=job.model.max_model_len)
 
-    trace, report = read_trace(job.trace.path, job.trace.format, skip_bad_rows=job.trace.skip_bad_rows)
+    trace, report = read_trace(
+        job.trace.path, job.trace.format, skip_bad_rows=job.trace.skip_bad_rows
+    )
     shaped, reports = shape(trace, ShapeSpec(**job.trace.shaping.model_dump()))
     if len(shaped) <= job.trace.warmup_requests:
         raise ConfigError(
             f"{job.trace.path}: {len(shaped)} requests after shaping, not more than the "
-            f"{job.trace.warmup_requests} warm-up requests: widen the window or lower warmup_requests"
+            f"{job.trace.warmup_requests} warm-up requests: widen the window or lower "
+            "warmup_requests"
         )
     notes = (report.summary(), *(r.summary() for r in reports))
 
     space = load_space(job.search_space)
-    objectives = load_objectives(job.objectives.preset if not job.objectives.objectives else None,
-                                 job.objectives.objectives, job.objectives.slos)
+    objectives = load_objectives(
+        job.objectives.preset if not job.objectives.objectives else None,
+        job.objectives.objectives,
+        job.objectives.slos,
+    )
 
+    for args in job.enqueue:
+        space.enqueue_params(args)  # raises, naming the value, before anything starts
     install = installed_vllm(job.engine.python) if check_flags else None
     n_gpus, gpu_mem, gpu_name = _gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
     engine_args = dict(job.engine.args)
     local_model = Path(model).is_dir()
-    if local_model and not any(Path(model).glob("*.safetensors")) and "load-format" not in engine_args:
+    if (
+        local_model
+        and not any(Path(model).glob("*.safetensors"))
+        and "load-format" not in engine_args
+    ):
         engine_args["load-format"] = "dummy"
     env = dict(job.engine.env)
     # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
     # kv-cache-memory-bytes; a job that sizes it in bytes must not get the variable.
-    if is_cpu and "VLLM_CPU_KVCACHE_SPACE" not in env and "kv-cache-memory-bytes" not in engine_args:
+    if (
+        is_cpu
+        and "VLLM_CPU_KVCACHE_SPACE" not in env
+        and "kv-cache-memory-bytes" not in engine_args
+    ):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(job.engine.kv_cache_gib or 2)
-    baseline = {**engine_args, **(job.engine.baseline_args
-                                  if job.engine.baseline_args is not None
-                                  else baseline_defaults(is_cpu, gpu_mem, gpu_name))}
+    baseline = {
+        **engine_args,
+        **(
+            job.engine.baseline_args
+            if job.engine.baseline_args is not None
+            else baseline_defaults(is_cpu, gpu_mem, gpu_name)
+        ),
+    }
 
     if check_flags and install is not None:
         flags = accepted_flags(install)
@@ -211,26 +241,39 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     model_max = model_info(model).max_position_embeddings if local_model else None
     longest = max(r.input_tokens + r.output_tokens for r in shaped.requests)
     gpus = job.gpus_per_trial if job.gpus_per_trial else (0 if is_cpu else 1)
-    ctx = ConstraintContext(gpus_per_trial=max(gpus, 1), longest_request_tokens=longest,
-                            model_max_len=model_max, cpu_build=is_cpu)
+    ctx = ConstraintContext(
+        gpus_per_trial=max(gpus, 1),
+        longest_request_tokens=longest,
+        model_max_len=model_max,
+        cpu_build=is_cpu,
+    )
     problems = check_constraints(baseline, ctx)
     if problems:
         raise ConfigError("the baseline configuration is invalid: " + "; ".join(problems))
     return StudyPlan(
-        job=job, out=out, storage_url=job.storage_url(base), trace=shaped, trace_notes=notes,
-        space=space, objectives=objectives,
+        job=job,
+        out=out,
+        storage_url=job.storage_url(base),
+        trace=shaped,
+        trace_notes=notes,
+        space=space,
+        objectives=objectives,
         engine=EngineConfig(model=model, args=engine_args, env=env),
-        baseline_args=baseline, token_range=(int(token_range[0]), int(token_range[1])),
-        context=ctx, vllm=f"{install.dist} {install.version}" if install else "",
+        baseline_args=baseline,
+        token_range=(int(token_range[0]), int(token_range[1])),
+        context=ctx,
+        vllm=f"{install.dist} {install.version}" if install else "",
     )
 
 
-def create_storage(url: str, *, heartbeat_interval_s: int = 30, grace_period_s: int = 90) -> optuna.storages.BaseStorage:
+def create_storage(
+    url: str, *, heartbeat_interval_s: int = 30, grace_period_s: int = 90
+) -> optuna.storages.BaseStorage:
     """Optuna storage for a URL: SQLite/PostgreSQL (RDB, with heartbeats) or ``journal:///path``."""
     if url.startswith("journal://"):
         from optuna.storages.journal import JournalFileBackend
 
-        path = url[len("journal://"):]
+        path = url[len("journal://") :]
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(path))
     engine_kwargs: dict[str, Any] = {}
@@ -240,7 +283,9 @@ def create_storage(url: str, *, heartbeat_interval_s: int = 30, grace_period_s: 
     else:
         engine_kwargs = {"pool_pre_ping": True}
     return optuna.storages.RDBStorage(
-        url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s,
+        url,
+        engine_kwargs=engine_kwargs,
+        heartbeat_interval=heartbeat_interval_s,
         grace_period=grace_period_s,
     )
 
@@ -254,7 +299,10 @@ def _sampler(job: JobConfig) -> optuna.samplers.BaseSampler:
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
     # parallel trials from proposing the same configuration.
     return optuna.samplers.TPESampler(
-        seed=s.seed, multivariate=True, group=True, constant_liar=True,
+        seed=s.seed,
+        multivariate=True,
+        group=True,
+        constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
 
@@ -274,7 +322,9 @@ def _driver_dead(ident: Any) -> bool:
     if not isinstance(ident, dict) or ident.get("host") != socket.gethostname():
         return False
     try:
-        return abs(psutil.Process(int(ident["pid"])).create_time() - float(ident["create_time"])) > 1.0
+        return (
+            abs(psutil.Process(int(ident["pid"])).create_time() - float(ident["create_time"])) > 1.0
+        )
     except psutil.NoSuchProcess:
         return True
 
@@ -305,13 +355,19 @@ class StudyDriver:
         self.runner = runner
         self.on_event = on_event or (lambda _e: None)
         self.now = now
-        self.storage = create_storage(plan.storage_url, heartbeat_interval_s=heartbeat_interval_s,
-                                      grace_period_s=grace_period_s)
+        self.storage = create_storage(
+            plan.storage_url,
+            heartbeat_interval_s=heartbeat_interval_s,
+            grace_period_s=grace_period_s,
+        )
         self.heartbeat_interval_s = heartbeat_interval_s
         job = plan.job
         self.study = optuna.create_study(
-            study_name=job.name, storage=self.storage, sampler=_sampler(job),
-            directions=[o.direction for o in plan.objectives.objectives], load_if_exists=True,
+            study_name=job.name,
+            storage=self.storage,
+            sampler=_sampler(job),
+            directions=[o.direction for o in plan.objectives.objectives],
+            load_if_exists=True,
         )
         if not self.study.metric_names:
             self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
@@ -330,9 +386,13 @@ class StudyDriver:
     def _counted(self, trials: list[FrozenTrial]) -> int:
         """Trials that count toward ``job.trials``: told ones and ones in flight."""
         return sum(
-            1 for t in trials
+            1
+            for t in trials
             if t.state in (TrialState.COMPLETE, TrialState.RUNNING)
-            or (t.state == TrialState.FAIL and t.user_attrs.get(STATUS_ATTR) == TrialStatus.INVALID_REPLAY.value)
+            or (
+                t.state == TrialState.FAIL
+                and t.user_attrs.get(STATUS_ATTR) == TrialStatus.INVALID_REPLAY.value
+            )
         )
 
     def remaining(self) -> int | None:
@@ -372,7 +432,9 @@ class StudyDriver:
                 self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 failed.append(t.number)
         if isinstance(self.storage, optuna.storages.RDBStorage):
-            before = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+            before = {
+                t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+            }
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 optuna.storages.fail_stale_trials(self.study)
@@ -386,10 +448,16 @@ class StudyDriver:
         return failed
 
     def _requeue(self, lost: FrozenTrial, trials: list[FrozenTrial]) -> None:
-        alive = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)]
+        alive = [
+            t
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+        ]
         if is_baseline(lost):
             if not any(is_baseline(t) for t in alive):
-                self.study.enqueue_trial({}, user_attrs={BASELINE_ATTR: True, "retry_of": lost.number})
+                self.study.enqueue_trial(
+                    {}, user_attrs={BASELINE_ATTR: True, "retry_of": lost.number}
+                )
         elif lost.params:
             self.study.enqueue_trial(lost.params, user_attrs={"retry_of": lost.number})
 
@@ -402,6 +470,10 @@ class StudyDriver:
         trials = self.study.get_trials(deepcopy=False)
         if not trials:
             self.study.enqueue_trial({}, user_attrs={BASELINE_ATTR: True})
+            for args in self.plan.job.enqueue:
+                self.study.enqueue_trial(
+                    self.plan.space.enqueue_params(args), user_attrs={"enqueued": True}
+                )
         try:
             self._loop()
         finally:
@@ -420,7 +492,8 @@ class StudyDriver:
                 continue
             futures = {h.future: n for n, (h, _t, _a) in self._running.items()}
             done, _ = concurrent.futures.wait(
-                futures, timeout=min(5.0, float(self.heartbeat_interval_s)),
+                futures,
+                timeout=min(5.0, float(self.heartbeat_interval_s)),
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
             if time.monotonic() - last_beat >= self.heartbeat_interval_s / 2:
@@ -453,8 +526,14 @@ class StudyDriver:
         if problems:
             # Never start an engine for an invalid combination; the sampler still learns.
             self._tell_failure(trial, TrialStatus.REJECTED, "; ".join(problems))
-            self.on_event(StudyEvent("rejected", trial.number, trial=self._frozen(trial.number),
-                                     detail="; ".join(problems)))
+            self.on_event(
+                StudyEvent(
+                    "rejected",
+                    trial.number,
+                    trial=self._frozen(trial.number),
+                    detail="; ".join(problems),
+                )
+            )
             return
         self._submit(trial, args, attempt=0)
 
@@ -482,7 +561,11 @@ class StudyDriver:
         gpus = self._gpus(args)
         handle = self.runner.submit(spec, gpus)
         self._running[trial.number] = (handle, trial, attempt)
-        self.on_event(StudyEvent("started", trial.number, detail=json.dumps(args, sort_keys=True, default=str)))
+        self.on_event(
+            StudyEvent(
+                "started", trial.number, detail=json.dumps(args, sort_keys=True, default=str)
+            )
+        )
 
     def _gpus(self, args: dict[str, Any]) -> int:
         if self.plan.context.cpu_build:
@@ -498,12 +581,19 @@ class StudyDriver:
             release(handle)
         try:
             result = fut.result()
-        except Exception as exc:  # noqa: BLE001 - a dead actor is a failed trial, not a dead study
-            result = TrialResult(number=number, status=TrialStatus.FAILED,
-                                 message=f"trial runner failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            result = TrialResult(
+                number=number,
+                status=TrialStatus.FAILED,
+                message=f"trial runner failed: {type(exc).__name__}: {exc}",
+            )
         if result.status is TrialStatus.INVALID_REPLAY and attempt < self.plan.job.retries:
             self.on_event(StudyEvent("retry", number, result=result, detail=result.message))
-            args = json.loads(trial.user_attrs["engine_args"]) if "engine_args" in trial.user_attrs else {}
+            args = (
+                json.loads(trial.user_attrs["engine_args"])
+                if "engine_args" in trial.user_attrs
+                else {}
+            )
             self._submit(trial, args, attempt + 1)
             return
         self._tell(trial, result, attempt)
@@ -519,7 +609,10 @@ class StudyDriver:
             trial.set_user_attr("failure_class", result.failure_class.value)
         if result.message:
             trial.set_user_attr("message", result.message[:2000])
-        summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.summary.items()}
+        summary = {
+            k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in result.summary.items()
+        }
         trial.set_user_attr("summary", summary)
         if result.memory is not None:
             trial.set_user_attr("memory", asdict(result.memory))
@@ -535,7 +628,9 @@ class StudyDriver:
         self._record_attrs(trial, result, attempt)
         objectives = self.plan.objectives
         if result.status is TrialStatus.COMPLETE:
-            for slo, margin in zip(objectives.slos, objectives.constraints(result.summary), strict=True):
+            for slo, margin in zip(
+                objectives.slos, objectives.constraints(result.summary), strict=True
+            ):
                 trial.set_constraint(str(slo), margin)
             self.study.tell(trial, objectives.values(result.summary))
         elif result.status is TrialStatus.INVALID_REPLAY:
@@ -543,7 +638,9 @@ class StudyDriver:
         else:
             self._tell_failure(trial, result.status, result.message, record=False)
 
-    def _tell_failure(self, trial: optuna.trial.Trial, status: TrialStatus, message: str, *, record: bool = True) -> None:
+    def _tell_failure(
+        self, trial: optuna.trial.Trial, status: TrialStatus, message: str, *, record: bool = True
+    ) -> None:
         """Failed, infeasible or rejected: complete, worst values, every constraint violated."""
         if record:
             trial.set_user_attr(STATUS_ATTR, status.value)
@@ -579,4 +676,3 @@ class StudyDriver:
 def completed_trials(study: optuna.Study) -> list[FrozenTrial]:
     """COMPLETE trials in number order."""
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-

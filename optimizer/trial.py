@@ -65,7 +65,9 @@ def read_records(path: Path) -> list[RequestRecord]:
     return out
 
 
-def _replay(spec: TrialSpec, url: str, progress: Callable[[ReplayProgress], None] | None) -> ReplayResult:
+def _replay(
+    spec: TrialSpec, url: str, progress: Callable[[ReplayProgress], None] | None
+) -> ReplayResult:
     slos = [parse_slo(s) for s in spec.slos]
     return run_replay(
         spec.trace,
@@ -116,11 +118,18 @@ def run_trial(
         try:
             engine.start()
         except EngineError as exc:
-            return _finish(spec, TrialResult(
-                number=spec.number, status=TrialStatus.FAILED, failure_class=exc.failure_class,
-                message=exc.explanation, log_path=exc.log_path, log_lines=exc.log_lines,
-                memory=engine.memory_account(),
-            ))
+            return _finish(
+                spec,
+                TrialResult(
+                    number=spec.number,
+                    status=TrialStatus.FAILED,
+                    failure_class=exc.failure_class,
+                    message=exc.explanation,
+                    log_path=exc.log_path,
+                    log_lines=exc.log_lines,
+                    memory=engine.memory_account(),
+                ),
+            )
         if on_engine_ready is not None:
             on_engine_ready(engine)
         memory = engine.memory_account()
@@ -137,13 +146,22 @@ def run_trial(
         try:
             engine.check_alive()
         except EngineError as exc:
-            return _finish(spec, TrialResult(
-                number=spec.number, status=TrialStatus.FAILED, failure_class=exc.failure_class,
-                message="the engine died during the replay: " + exc.explanation,
-                records=replay.records, summary=summarize(replay.records, slos=slos),
-                startup_s=engine.startup_s, replay_s=replay_s, memory=memory,
-                log_path=exc.log_path, log_lines=exc.log_lines,
-            ))
+            return _finish(
+                spec,
+                TrialResult(
+                    number=spec.number,
+                    status=TrialStatus.FAILED,
+                    failure_class=exc.failure_class,
+                    message="the engine died during the replay: " + exc.explanation,
+                    records=replay.records,
+                    summary=summarize(replay.records, slos=slos),
+                    startup_s=engine.startup_s,
+                    replay_s=replay_s,
+                    memory=memory,
+                    log_path=exc.log_path,
+                    log_lines=exc.log_lines,
+                ),
+            )
         summary = dict(summarize(replay.records, slos=slos))
         summary["p99_send_lag_ms"] = replay.p99_send_lag_ms
         message = replay.message
@@ -155,11 +173,21 @@ def run_trial(
             message = replay.stop_reason
         else:
             status = TrialStatus.COMPLETE
-        return _finish(spec, TrialResult(
-            number=spec.number, status=status, summary=summary, records=replay.records,
-            message=message, startup_s=engine.startup_s, replay_s=replay_s,
-            memory=memory, server_metrics=server_metrics, log_path=str(engine.log_path),
-        ))
+        return _finish(
+            spec,
+            TrialResult(
+                number=spec.number,
+                status=status,
+                summary=summary,
+                records=replay.records,
+                message=message,
+                startup_s=engine.startup_s,
+                replay_s=replay_s,
+                memory=memory,
+                server_metrics=server_metrics,
+                log_path=str(engine.log_path),
+            ),
+        )
     finally:
         engine.stop()
 
@@ -176,7 +204,9 @@ def _early_stop(spec: TrialSpec, slos: list[Slo]) -> Callable[[ReplaySnapshot], 
 
     def check(snap: ReplaySnapshot) -> str | None:
         obs = Observations.from_records(
-            snap.finished, now_s=snap.now_s, in_flight_sent_s=snap.streaming_sent_s,
+            snap.finished,
+            now_s=snap.now_s,
+            in_flight_sent_s=snap.streaming_sent_s,
             waiting_sent_s=snap.waiting_sent_s,
         )
         reason = stopper.check(obs)
@@ -188,7 +218,7 @@ def _early_stop(spec: TrialSpec, slos: list[Slo]) -> Callable[[ReplaySnapshot], 
 def _scrape(engine: EngineProcess) -> dict[str, float]:
     try:
         metrics = engine.scrape_metrics()
-    except Exception:  # noqa: BLE001 - metrics are a bonus; a dead server is caught next
+    except Exception:
         return {}
     return {k: metrics[k] for k in SERVER_METRICS if k in metrics}
 

@@ -177,17 +177,20 @@ def accepted_flags(install: VllmInstall | None = None, *, timeout_s: float = 300
     if data is None:
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         proc = subprocess.run(
-            [inst.python, "-c", _FLAGS_PROBE], capture_output=True, text=True,
-            timeout=timeout_s, env=env,
+            [inst.python, "-c", _FLAGS_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        parsed = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
+        parsed: dict[str, Any] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
         if "flags" not in parsed:
             raise ConfigError(
                 f"could not read the accepted flags of {inst.dist} {inst.version}: "
                 f"{parsed.get('error', 'no output')}"
             )
-        data = parsed["flags"]
+        data = dict(parsed["flags"])
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(path)

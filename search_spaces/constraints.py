@@ -149,9 +149,10 @@ def _int(value: Any) -> int | None:
 
 
 def _chunked_prefill_off(flags: Mapping[str, Any]) -> bool:
-    return flags.get("enable-chunked-prefill") is False or flags.get(
-        "no-enable-chunked-prefill"
-    ) is True
+    return (
+        flags.get("enable-chunked-prefill") is False
+        or flags.get("no-enable-chunked-prefill") is True
+    )
 
 
 def _speculation_problems(value: Any) -> list[str]:

@@ -243,8 +243,9 @@ def _azure_time_ns(value: Any, field_name: str) -> int:
     """
     match = _AZURE_TIME.match(value.strip()) if isinstance(value, str) else None
     if match is None:
-        raise _RowError(field_name, f"expected a datetime like 2023-11-16 18:17:03.9799600, "
-                        f"got {value!r}")
+        raise _RowError(
+            field_name, f"expected a datetime like 2023-11-16 18:17:03.9799600, got {value!r}"
+        )
     base, fraction, zone = match.groups()
     try:
         moment = datetime.fromisoformat(base.replace("T", " "))
@@ -303,14 +304,19 @@ def _csv_rows(handle: IO[str], path: Path, required: Sequence[str]) -> Iterator[
     if missing:
         raise TraceError(
             f"CSV header lacks column(s) {', '.join(missing)}; header is {', '.join(header)}",
-            path=str(path), line=reader.line_num, field=missing[0],
+            path=str(path),
+            line=reader.line_num,
+            field=missing[0],
         )
     for row in reader:
         if not row or not any(cell.strip() for cell in row):
             continue
         if len(row) != len(header):
-            yield reader.line_num, _RowError(
-                None, f"expected {len(header)} columns ({','.join(header)}), got {len(row)}"
+            yield (
+                reader.line_num,
+                _RowError(
+                    None, f"expected {len(header)} columns ({','.join(header)}), got {len(row)}"
+                ),
             )
             continue
         yield reader.line_num, dict(zip(header, row, strict=True))
@@ -320,8 +326,9 @@ def _first_json(path: Path) -> tuple[int, dict[str, Any]]:
     with _open_text(path) as handle:
         for number, record in _json_lines(handle):
             if isinstance(record, _RowError):
-                raise TraceError(f"cannot detect the format: {record.message}",
-                                 path=str(path), line=number)
+                raise TraceError(
+                    f"cannot detect the format: {record.message}", path=str(path), line=number
+                )
             return number, record
     raise TraceError("empty file: no JSON lines", path=str(path))
 
@@ -387,7 +394,8 @@ def detect_format(path: str | Path) -> str:
             raise TraceError(
                 f"unknown CSV trace format (header: {','.join(header)}); expected Azure "
                 f"({','.join(_AZURE_COLUMNS)}) or BurstGPT ({','.join(_BURSTGPT_COLUMNS)}, ...)",
-                path=str(path), line=1,
+                path=str(path),
+                line=1,
             )
         return found
     line, record = _first_json(path)
@@ -396,7 +404,8 @@ def detect_format(path: str | Path) -> str:
         raise TraceError(
             f"unknown JSONL trace format (keys: {', '.join(sorted(record))}); expected one of "
             f"{', '.join(FORMATS)}",
-            path=str(path), line=line,
+            path=str(path),
+            line=line,
         )
     return found
 
@@ -422,8 +431,10 @@ def _canonical_parse(record: Mapping[str, Any]) -> _Row:
     unknown = set(record) - _CANONICAL_KEYS - _CANONICAL_OPTIONAL
     if unknown:
         name = sorted(unknown)[0]
-        raise _RowError(name, f"unknown key (accepted: "
-                        f"{', '.join(sorted(_CANONICAL_KEYS | _CANONICAL_OPTIONAL))})")
+        raise _RowError(
+            name,
+            f"unknown key (accepted: {', '.join(sorted(_CANONICAL_KEYS | _CANONICAL_OPTIONAL))})",
+        )
     arrival_s = _as_float(_require(record, "arrival_s"), "arrival_s")
     if arrival_s < 0:
         raise _RowError("arrival_s", f"must be >= 0, got {arrival_s}")
@@ -542,30 +553,49 @@ def _canonical_records(handle: IO[str], path: Path) -> Iterator[_Record]:
 def _reader(fmt: str, path: Path) -> _Reader:
     if fmt == "canonical":
         block_size, source_notes = _canonical_header(path)
-        return _Reader(_canonical_records, _canonical_parse, "arrival_s", 1.0,
-                       block_size=block_size, rebase=False, notes=source_notes)
+        return _Reader(
+            _canonical_records,
+            _canonical_parse,
+            "arrival_s",
+            1.0,
+            block_size=block_size,
+            rebase=False,
+            notes=source_notes,
+        )
     if fmt == "azure":
-        return _Reader(lambda h, p: _csv_rows(h, p, _AZURE_COLUMNS), _azure_parse,
-                       "TIMESTAMP", 1e-9)
+        return _Reader(
+            lambda h, p: _csv_rows(h, p, _AZURE_COLUMNS), _azure_parse, "TIMESTAMP", 1e-9
+        )
     if fmt == "burstgpt":
-        return _Reader(lambda h, p: _csv_rows(h, p, _BURSTGPT_COLUMNS), _burstgpt_parse,
-                       "Timestamp", 1.0)
+        return _Reader(
+            lambda h, p: _csv_rows(h, p, _BURSTGPT_COLUMNS), _burstgpt_parse, "Timestamp", 1.0
+        )
     if fmt == "mooncake":
-        return _Reader(_json_records, _mooncake_parse, "timestamp", 1e-3,
-                       block_size=_MOONCAKE_BLOCK_SIZE)
+        return _Reader(
+            _json_records, _mooncake_parse, "timestamp", 1e-3, block_size=_MOONCAKE_BLOCK_SIZE
+        )
     if fmt == "bailian":
         match = re.search(r"blksz_(\d+)", path.name)
         block_size = int(match.group(1)) if match else _BAILIAN_BLOCK_SIZE
-        return _Reader(_json_records, _bailian_parser(), "timestamp", 1.0, block_size=block_size,
-                       notes=[f"block_size {block_size} tokens per hash id"])
+        return _Reader(
+            _json_records,
+            _bailian_parser(),
+            "timestamp",
+            1.0,
+            block_size=block_size,
+            notes=[f"block_size {block_size} tokens per hash id"],
+        )
     if fmt == "vllm-custom":
         parser = _CustomParser()
-        notes = ["the vLLM custom format carries no timing: every arrival_s is 0; "
-                 "replay it at a fixed request rate"]
-        return _Reader(_json_records, parser, "prompt", 1.0, notes=notes,
-                       late_notes=parser.notes)
-    raise TraceError(f"unknown trace format {fmt!r}; expected 'auto' or one of "
-                     f"{', '.join(FORMATS)}", path=str(path))
+        notes = [
+            "the vLLM custom format carries no timing: every arrival_s is 0; "
+            "replay it at a fixed request rate"
+        ]
+        return _Reader(_json_records, parser, "prompt", 1.0, notes=notes, late_notes=parser.notes)
+    raise TraceError(
+        f"unknown trace format {fmt!r}; expected 'auto' or one of {', '.join(FORMATS)}",
+        path=str(path),
+    )
 
 
 def _canonical_header(path: Path) -> tuple[int, list[str]]:
@@ -575,16 +605,28 @@ def _canonical_header(path: Path) -> tuple[int, list[str]]:
     if not isinstance(record, dict) or "format" not in record:
         return 512, []  # no header (a malformed first line is reported as a row)
     if record["format"] != CANONICAL_FORMAT:
-        raise TraceError(f"header names format {record['format']!r}, expected "
-                         f"{CANONICAL_FORMAT!r}", path=str(path), line=line, field="format")
+        raise TraceError(
+            f"header names format {record['format']!r}, expected {CANONICAL_FORMAT!r}",
+            path=str(path),
+            line=line,
+            field="format",
+        )
     if record.get("version") != _CANONICAL_VERSION:
-        raise TraceError(f"unsupported version {record.get('version')!r} (this reader knows "
-                         f"version {_CANONICAL_VERSION})", path=str(path), line=line,
-                         field="version")
+        raise TraceError(
+            f"unsupported version {record.get('version')!r} (this reader knows "
+            f"version {_CANONICAL_VERSION})",
+            path=str(path),
+            line=line,
+            field="version",
+        )
     block_size = record.get("block_size", 512)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise TraceError(f"block_size must be a positive integer, got {block_size!r}",
-                         path=str(path), line=line, field="block_size")
+        raise TraceError(
+            f"block_size must be a positive integer, got {block_size!r}",
+            path=str(path),
+            line=line,
+            field="block_size",
+        )
     source = record.get("source")
     return block_size, [f"recorded source: {source}"] if source else []
 
@@ -649,11 +691,14 @@ def read_trace(
                 drop_reason = row.reason
                 continue
             if previous is not None and row.time < previous:
-                bad(line, _RowError(
-                    reader.time_field,
-                    f"timestamp goes backwards ({row.time!r} after {previous!r}); traces must "
-                    f"be sorted by arrival",
-                ))
+                bad(
+                    line,
+                    _RowError(
+                        reader.time_field,
+                        f"timestamp goes backwards ({row.time!r} after {previous!r}); traces must "
+                        f"be sorted by arrival",
+                    ),
+                )
                 continue
             previous = row.time
             rows.append(row)
@@ -699,8 +744,12 @@ def write_trace(trace: Trace, path: str | Path) -> None:
         path: Destination file (overwritten).
     """
     path = Path(path)
-    header = {"format": CANONICAL_FORMAT, "version": _CANONICAL_VERSION,
-              "block_size": trace.block_size, "source": trace.source}
+    header = {
+        "format": CANONICAL_FORMAT,
+        "version": _CANONICAL_VERSION,
+        "block_size": trace.block_size,
+        "source": trace.source,
+    }
     with path.open("w", encoding="utf-8") as handle:
         handle.write(json.dumps(header) + "\n")
         for request in trace.requests:
@@ -796,12 +845,17 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
     rate = float(stats["mean_rate_rps"])
     cv = float(stats["burstiness_cv"])
     args = [
-        "--dataset-name", "custom",
-        "--dataset-path", str(path),
-        "--num-prompts", str(len(trace)),
-        "--custom-output-len", "-1",
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        str(len(trace)),
+        "--custom-output-len",
+        "-1",
         "--custom-skip-chat-template",
-        "--request-rate", repr(rate) if rate > 0 else "inf",
+        "--request-rate",
+        repr(rate) if rate > 0 else "inf",
     ]
     if rate > 0 and cv > 0:
         # vLLM draws gaps from a gamma with shape = burstiness, whose CV is 1/sqrt(shape).

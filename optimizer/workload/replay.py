@@ -305,7 +305,9 @@ class _Run:
                 if exc is not None:
                     raise exc
 
-    async def watch(self, stop_check: Callable[[ReplaySnapshot], str | None], interval_s: float) -> str:
+    async def watch(
+        self, stop_check: Callable[[ReplaySnapshot], str | None], interval_s: float
+    ) -> str:
         """Poll ``stop_check`` until it returns a reason; returns that reason."""
         while True:
             await self.clock.sleep_until(self.clock.now() + interval_s)

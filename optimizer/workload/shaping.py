@@ -95,9 +95,9 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def time_window(trace: Trace, start_s: float, end_s: float | None = None) -> tuple[
-    Trace, ShapeReport
-]:
+def time_window(
+    trace: Trace, start_s: float, end_s: float | None = None
+) -> tuple[Trace, ShapeReport]:
     """Keep the requests arriving in ``[start_s, end_s)`` and shift them to start at 0 s.
 
     Arrivals are shifted by ``start_s`` (not by the first kept arrival), so an idle start of
@@ -150,8 +150,10 @@ def compress_time(
         ConfigError: Neither or both given, a non-positive value, or a target duration for a
             trace without duration.
     """
-    _check((factor is None) != (target_duration_s is None),
-           "give exactly one of a compression factor and target_duration_s")
+    _check(
+        (factor is None) != (target_duration_s is None),
+        "give exactly one of a compression factor and target_duration_s",
+    )
     if target_duration_s is not None:
         _check(target_duration_s > 0, f"target_duration_s must be > 0, got {target_duration_s}")
         _check(trace.duration_s > 0, "cannot compress a trace of zero duration to a target")
@@ -174,14 +176,13 @@ def scale_rate(trace: Trace, rate_scale: float) -> tuple[Trace, ShapeReport]:
     Raises:
         ConfigError: ``rate_scale`` is not positive.
     """
-    _check(rate_scale > 0 and math.isfinite(rate_scale),
-           f"rate_scale must be > 0, got {rate_scale}")
+    _check(
+        rate_scale > 0 and math.isfinite(rate_scale), f"rate_scale must be > 0, got {rate_scale}"
+    )
     return _divide_time(trace, rate_scale, "rate_scale", f"rate x {rate_scale:g}")
 
 
-def _divide_time(trace: Trace, factor: float, step: str, detail: str) -> tuple[
-    Trace, ShapeReport
-]:
+def _divide_time(trace: Trace, factor: float, step: str, detail: str) -> tuple[Trace, ShapeReport]:
     shaped = _with(trace, [replace(r, arrival_s=r.arrival_s / factor) for r in trace.requests])
     changed = sum(1 for r in trace.requests if r.arrival_s != 0) if factor != 1 else 0
     return shaped, _report(step, detail, changed, trace, shaped)
@@ -214,8 +215,10 @@ def clip_lengths(
         ConfigError: A limit is too small.
     """
     _check(max_model_len >= 2, f"max_model_len must be >= 2, got {max_model_len}")
-    _check(max_output_tokens is None or max_output_tokens >= 1,
-           f"max_output_tokens must be >= 1, got {max_output_tokens}")
+    _check(
+        max_output_tokens is None or max_output_tokens >= 1,
+        f"max_output_tokens must be >= 1, got {max_output_tokens}",
+    )
     output_cap = max_model_len - 1
     if max_output_tokens is not None:
         output_cap = min(output_cap, max_output_tokens)
@@ -228,12 +231,14 @@ def clip_lengths(
             clipped.append(request)
             continue
         changed += 1
-        clipped.append(replace(
-            request,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
-        ))
+        clipped.append(
+            replace(
+                request,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
+            )
+        )
     shaped = _with(trace, clipped)
     detail = f"max_model_len {max_model_len}" + (
         f", max_output_tokens {max_output_tokens}" if max_output_tokens is not None else ""
@@ -260,10 +265,14 @@ def scale_lengths(
     Raises:
         ConfigError: A multiplier is not positive.
     """
-    _check(input_scale > 0 and math.isfinite(input_scale),
-           f"input length scale must be > 0, got {input_scale}")
-    _check(output_scale > 0 and math.isfinite(output_scale),
-           f"output length scale must be > 0, got {output_scale}")
+    _check(
+        input_scale > 0 and math.isfinite(input_scale),
+        f"input length scale must be > 0, got {input_scale}",
+    )
+    _check(
+        output_scale > 0 and math.isfinite(output_scale),
+        f"output length scale must be > 0, got {output_scale}",
+    )
     scaled: list[TraceRequest] = []
     changed = 0
     for request in trace.requests:
@@ -273,12 +282,14 @@ def scale_lengths(
             scaled.append(request)
             continue
         changed += 1
-        scaled.append(replace(
-            request,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
-        ))
+        scaled.append(
+            replace(
+                request,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
+            )
+        )
     shaped = _with(trace, scaled)
     detail = f"input x {input_scale:g}, output x {output_scale:g}"
     return shaped, _report("length_scale", detail, changed, trace, shaped)
@@ -360,8 +371,9 @@ def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
         fraction = spec.sample_fraction
         steps.append(lambda t: subsample(t, fraction, spec.seed))
     if spec.compress is not None or spec.target_duration_s is not None:
-        steps.append(lambda t: compress_time(t, spec.compress,
-                                             target_duration_s=spec.target_duration_s))
+        steps.append(
+            lambda t: compress_time(t, spec.compress, target_duration_s=spec.target_duration_s)
+        )
     if spec.rate_scale is not None:
         rate_scale = spec.rate_scale
         steps.append(lambda t: scale_rate(t, rate_scale))
@@ -370,8 +382,9 @@ def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
         steps.append(lambda t: scale_lengths(t, length_scale, length_scale))
     if spec.max_model_len is not None:
         max_model_len = spec.max_model_len
-        steps.append(lambda t: clip_lengths(t, max_model_len,
-                                            max_output_tokens=spec.max_output_tokens))
+        steps.append(
+            lambda t: clip_lengths(t, max_model_len, max_output_tokens=spec.max_output_tokens)
+        )
     elif spec.max_output_tokens is not None:
         raise ConfigError("max_output_tokens is applied with the clip: set max_model_len too")
     reports: list[ShapeReport] = []

@@ -88,9 +88,7 @@ def inspect_trace(trace: Trace) -> dict[str, float | int | str]:
     stats["peak_rate_rpm"] = _peak_count(arrivals_s, 60.0) if n else 0
     stats["burstiness_cv"] = float(gaps_s.std() / mean_gap_s) if mean_gap_s > 0 else 0.0
     for kind in ("input", "output"):
-        values = np.array(
-            [getattr(r, f"{kind}_tokens") for r in trace.requests], dtype=np.float64
-        )
+        values = np.array([getattr(r, f"{kind}_tokens") for r in trace.requests], dtype=np.float64)
         for q in _PERCENTILES:
             stats[f"p{q}_{kind}_tokens"] = float(np.percentile(values, q)) if n else 0.0
         stats[f"max_{kind}_tokens"] = int(values.max()) if n else 0

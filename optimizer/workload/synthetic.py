@@ -65,8 +65,11 @@ class MixComponent:
 
 
 DEFAULT_MIX: tuple[MixComponent, ...] = (
-    MixComponent(1.0, Lengths(median_tokens=512, sigma=0.8, max_tokens=8192),
-                 Lengths(median_tokens=128, sigma=0.8, max_tokens=2048)),
+    MixComponent(
+        1.0,
+        Lengths(median_tokens=512, sigma=0.8, max_tokens=8192),
+        Lengths(median_tokens=128, sigma=0.8, max_tokens=2048),
+    ),
 )
 """A single chat-like component: ~512-token prompts and ~128-token answers, long-tailed."""
 
@@ -144,8 +147,10 @@ def synthesize(
     Raises:
         ConfigError: A parameter is out of range; the message names it.
     """
-    _check((num_requests is None) != (duration_s is None),
-           "give exactly one of num_requests and duration_s")
+    _check(
+        (num_requests is None) != (duration_s is None),
+        "give exactly one of num_requests and duration_s",
+    )
     _check(num_requests is None or num_requests > 0, "num_requests must be > 0")
     _check(duration_s is None or duration_s > 0, "duration_s must be > 0")
     _check(rate_rps > 0 and np.isfinite(rate_rps), "rate_rps must be a finite number > 0")
@@ -156,16 +161,22 @@ def synthesize(
         for name, lengths in (("input", component.input), ("output", component.output)):
             _check(lengths.median_tokens > 0, f"mix[{index}].{name}.median_tokens must be > 0")
             _check(lengths.sigma >= 0, f"mix[{index}].{name}.sigma must be >= 0")
-            _check(lengths.max_tokens is None or lengths.max_tokens >= 1,
-                   f"mix[{index}].{name}.max_tokens must be >= 1")
+            _check(
+                lengths.max_tokens is None or lengths.max_tokens >= 1,
+                f"mix[{index}].{name}.max_tokens must be >= 1",
+            )
     _check(block_size > 0, "block_size must be > 0")
     _check(0.0 <= prefix_fraction <= 1.0, "prefix_fraction must be in [0, 1]")
     _check(prefix_groups >= 0, "prefix_groups must be >= 0")
-    _check(prefix_tokens >= 0 and prefix_tokens % block_size == 0,
-           f"prefix_tokens must be a non-negative multiple of block_size ({block_size})")
+    _check(
+        prefix_tokens >= 0 and prefix_tokens % block_size == 0,
+        f"prefix_tokens must be a non-negative multiple of block_size ({block_size})",
+    )
     sharing = prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens > 0
-    _check(not (prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens == 0),
-           "prefix_tokens must be > 0 when prefix_groups and prefix_fraction are set")
+    _check(
+        not (prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens == 0),
+        "prefix_tokens must be > 0 when prefix_groups and prefix_fraction are set",
+    )
 
     rng = np.random.default_rng(seed)
     arrivals_s = _arrivals_s(rng, rate_rps, burstiness_cv, num_requests, duration_s)
@@ -201,7 +212,9 @@ def synthesize(
                 prefix_blocks=blocks,
             )
         )
-    source = (f"synthetic(rate_rps={rate_rps}, burstiness_cv={burstiness_cv}, "
-              f"components={len(mix)}, prefix_groups={prefix_groups if sharing else 0}, "
-              f"seed={seed})")
+    source = (
+        f"synthetic(rate_rps={rate_rps}, burstiness_cv={burstiness_cv}, "
+        f"components={len(mix)}, prefix_groups={prefix_groups if sharing else 0}, "
+        f"seed={seed})"
+    )
     return Trace(requests=tuple(requests), block_size=block_size, source=source)

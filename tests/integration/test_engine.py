@@ -78,7 +78,9 @@ def test_memory_account_matches_what_the_server_reports(shared_server: EnginePro
     assert metrics["vllm:num_requests_running"] >= 0
 
 
-def test_start_request_stop_leaves_no_process(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+def test_start_request_stop_leaves_no_process(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
     engine = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "s.log")
     with engine:
         pgid = engine.pgid
@@ -87,8 +89,12 @@ def test_start_request_stop_leaves_no_process(tiny_model: Path, tmp_path: Path, 
         assert len(members) >= 3  # guard, API server, EngineCore (+ workers)
         r = httpx.post(
             f"{engine.url}/v1/completions",
-            json={"model": str(tiny_model), "prompt": [400, 401, 402], "max_tokens": 4,
-                  "ignore_eos": True},
+            json={
+                "model": str(tiny_model),
+                "prompt": [400, 401, 402],
+                "max_tokens": 4,
+                "ignore_eos": True,
+            },
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -126,14 +132,20 @@ _OWNER = textwrap.dedent(
 
 
 def _start_owner(config: EngineConfig, log: Path) -> tuple[subprocess.Popen[str], int]:
-    payload = json.dumps({"model": config.model, "args": dict(config.args), "env": dict(config.env)})
+    payload = json.dumps(
+        {"model": config.model, "args": dict(config.args), "env": dict(config.env)}
+    )
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER, payload, str(log)],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert owner.stdout is not None
     line = owner.stdout.readline()
-    assert line, f"owner exited early; server log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    assert line, (
+        f"owner exited early; server log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    )
     return owner, int(json.loads(line)["pgid"])
 
 
@@ -155,8 +167,11 @@ def test_guard_killed_too_orphans_are_reaped_on_next_start(
     import psutil
 
     owner, pgid = _start_owner(tiny_config(tiny_model), tmp_path / "o.log")
-    guards = [p for p in group_alive_pids(pgid)
-              if "optimizer.engine_guard" in " ".join(psutil.Process(p).cmdline())]
+    guards = [
+        p
+        for p in group_alive_pids(pgid)
+        if "optimizer.engine_guard" in " ".join(psutil.Process(p).cmdline())
+    ]
     assert len(guards) == 1
     os.kill(guards[0], signal.SIGKILL)
     owner.send_signal(signal.SIGKILL)
@@ -169,9 +184,13 @@ def test_guard_killed_too_orphans_are_reaped_on_next_start(
     assert group_alive_pids(pgid) == []
 
 
-def test_invalid_value_is_classified_invalid_argument(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+def test_invalid_value_is_classified_invalid_argument(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
     # A value vLLM's own parser refuses (names are pre-validated elsewhere; values reach vLLM).
-    engine = EngineProcess(tiny_config(tiny_model, **{"max-num-seqs": "lots"}), log_path=tmp_path / "e.log")
+    engine = EngineProcess(
+        tiny_config(tiny_model, **{"max-num-seqs": "lots"}), log_path=tmp_path / "e.log"
+    )
     t0 = time.monotonic()
     with pytest.raises(EngineError) as info:
         engine.start()
@@ -181,12 +200,19 @@ def test_invalid_value_is_classified_invalid_argument(tiny_model: Path, tmp_path
     assert engine.pgid is not None and group_alive_pids(engine.pgid) == []
 
 
-def test_max_model_len_the_kv_cache_cannot_hold(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
+def test_max_model_len_the_kv_cache_cannot_hold(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
     # 1 MB of KV cache holds ~1.8k tokens of the tiny model; ask for 8192.
     config = EngineConfig(
         model=str(tiny_model),
-        args={"load-format": "dummy", "max-model-len": 8192, "max-num-seqs": 4,
-              "max-num-batched-tokens": 8192, "kv-cache-memory-bytes": 1_000_000},
+        args={
+            "load-format": "dummy",
+            "max-model-len": 8192,
+            "max-num-seqs": 4,
+            "max-num-batched-tokens": 8192,
+            "kv-cache-memory-bytes": 1_000_000,
+        },
     )
     engine = EngineProcess(config, log_path=tmp_path / "kv.log")
     t0 = time.monotonic()
@@ -198,8 +224,12 @@ def test_max_model_len_the_kv_cache_cannot_hold(tiny_model: Path, tmp_path: Path
     assert engine.pgid is not None and group_alive_pids(engine.pgid) == []
 
 
-def test_never_healthy_is_a_startup_timeout(tiny_model: Path, tmp_path: Path, vllm_install: object) -> None:
-    engine = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "t.log", startup_timeout_s=4)
+def test_never_healthy_is_a_startup_timeout(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
+    engine = EngineProcess(
+        tiny_config(tiny_model), log_path=tmp_path / "t.log", startup_timeout_s=4
+    )
     t0 = time.monotonic()
     with pytest.raises(EngineError) as info:
         engine.start()

@@ -47,22 +47,38 @@ class FakeRunner:
         self.specs.append(spec)
         args = spec.engine.args
         if args.get("kv-cache-memory-bytes") == 1:
-            return FakeHandle(spec, TrialResult(
-                number=spec.number, status=TrialStatus.FAILED,
-                failure_class=FailureClass.KV_CACHE_TOO_SMALL, message="kv too small"))
+            return FakeHandle(
+                spec,
+                TrialResult(
+                    number=spec.number,
+                    status=TrialStatus.FAILED,
+                    failure_class=FailureClass.KV_CACHE_TOO_SMALL,
+                    message="kv too small",
+                ),
+            )
         if self.fail_replay_once and spec.workdir.endswith("attempt-0"):
-            return FakeHandle(spec, TrialResult(number=spec.number, status=TrialStatus.INVALID_REPLAY,
-                                                message="lag"))
+            return FakeHandle(
+                spec,
+                TrialResult(number=spec.number, status=TrialStatus.INVALID_REPLAY, message="lag"),
+            )
         seqs = float(args.get("max-num-seqs", 128))
         summary = {
-            "p95_ttft_ms": 2000.0 / seqs ** 0.5 + 10,
+            "p95_ttft_ms": 2000.0 / seqs**0.5 + 10,
             "p95_tpot_ms": 5.0 + seqs / 10.0,
-            "output_throughput": 10.0 * seqs ** 0.5,
+            "output_throughput": 10.0 * seqs**0.5,
             "error_rate": 0.0,
             "completed": 10,
         }
-        return FakeHandle(spec, TrialResult(number=spec.number, status=TrialStatus.COMPLETE,
-                                            summary=summary, startup_s=1.0, replay_s=1.0))
+        return FakeHandle(
+            spec,
+            TrialResult(
+                number=spec.number,
+                status=TrialStatus.COMPLETE,
+                summary=summary,
+                startup_s=1.0,
+                replay_s=1.0,
+            ),
+        )
 
     def cancel(self, handle: FakeHandle) -> None:
         pass
@@ -126,23 +142,31 @@ def test_baseline_first_then_tuned_trials_with_constraints(tmp_path: Path) -> No
 
 def test_invalid_combination_never_starts_an_engine(tmp_path: Path) -> None:
     runner = FakeRunner()
-    space = {"name": "t", "params": {
-        "max-num-seqs": {"type": "categorical", "choices": [128]},
-        "max-num-batched-tokens": {"type": "categorical", "choices": [64]},
-    }}
+    space = {
+        "name": "t",
+        "params": {
+            "max-num-seqs": {"type": "categorical", "choices": [128]},
+            "max-num-batched-tokens": {"type": "categorical", "choices": [64]},
+        },
+    }
     study = _driver(tmp_path, runner, search_space=space, trials=3).run()
     rejected = [t for t in study.get_trials() if t.user_attrs.get("status") == "rejected"]
     assert len(rejected) == 2
     assert all("max-num-batched-tokens" in t.user_attrs["message"] for t in rejected)
-    assert all(t.state == TrialState.COMPLETE and t.constraints["p95_ttft_ms<=400"] > 0 for t in rejected)
+    assert all(
+        t.state == TrialState.COMPLETE and t.constraints["p95_ttft_ms<=400"] > 0 for t in rejected
+    )
     assert len(runner.specs) == 1  # only the baseline started an engine
 
 
 def test_engine_failure_is_a_result_with_its_failure_class(tmp_path: Path) -> None:
     runner = FakeRunner()
-    space = {"name": "t", "params": {
-        "kv-cache-memory-bytes": {"type": "categorical", "choices": [1]},
-    }}
+    space = {
+        "name": "t",
+        "params": {
+            "kv-cache-memory-bytes": {"type": "categorical", "choices": [1]},
+        },
+    }
     study = _driver(tmp_path, runner, search_space=space, trials=2).run()
     failed = study.get_trials()[1]
     assert failed.state == TrialState.COMPLETE
@@ -197,9 +221,15 @@ def test_resume_fails_dead_drivers_trials_and_requeues_their_configuration(tmp_p
     dead.wait()
     import psutil
 
-    study._storage.set_trial_system_attr(orphan._trial_id, "driver", {
-        "host": __import__("socket").gethostname(), "pid": dead.pid,
-        "create_time": psutil.Process().create_time()})
+    study._storage.set_trial_system_attr(
+        orphan._trial_id,
+        "driver",
+        {
+            "host": __import__("socket").gethostname(),
+            "pid": dead.pid,
+            "create_time": psutil.Process().create_time(),
+        },
+    )
     lost_params = dict(orphan.params)
 
     runner2 = FakeRunner()
@@ -222,7 +252,9 @@ def test_job_typos_name_the_key_and_the_fix(tmp_path: Path) -> None:
 
     bad = _job(tmp_path)
     bad["trace"] = {**bad["trace"], "warmup_request": 3}
-    with pytest.raises(ConfigError, match=r"trace\.warmup_request: unknown key; did you mean 'warmup_requests'"):
+    with pytest.raises(
+        ConfigError, match=r"trace\.warmup_request: unknown key; did you mean 'warmup_requests'"
+    ):
         load_job(bad, base=tmp_path)
     with pytest.raises(ConfigError, match="budget"):
         load_job(_job(tmp_path, budget="soon"), base=tmp_path)

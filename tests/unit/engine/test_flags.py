@@ -51,8 +51,13 @@ def test_reserved_flags_are_refused() -> None:
 
 def test_engine_arg_values_keep_their_types() -> None:
     args = parse_engine_args(
-        ["max-num-seqs=64", "enforce-eager=false", "gpu-memory-utilization=0.9",
-         'speculative-config={"method": "ngram", "num_speculative_tokens": 3}', "kv-cache-dtype=fp8"]
+        [
+            "max-num-seqs=64",
+            "enforce-eager=false",
+            "gpu-memory-utilization=0.9",
+            'speculative-config={"method": "ngram", "num_speculative_tokens": 3}',
+            "kv-cache-dtype=fp8",
+        ]
     )
     assert args == {
         "max-num-seqs": 64,

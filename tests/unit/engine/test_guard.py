@@ -23,8 +23,19 @@ FAKE_SERVER = (
 
 
 def _guard_argv(owner: int, exit_file: Path, server: str = FAKE_SERVER) -> list[str]:
-    return [sys.executable, "-m", "optimizer.engine_guard", str(owner), process_start_time(owner),
-            "1", str(exit_file), "--", sys.executable, "-c", server]
+    return [
+        sys.executable,
+        "-m",
+        "optimizer.engine_guard",
+        str(owner),
+        process_start_time(owner),
+        "1",
+        str(exit_file),
+        "--",
+        sys.executable,
+        "-c",
+        server,
+    ]
 
 
 def _wait_members(pgid: int, n: int) -> None:
@@ -56,15 +67,19 @@ def test_launcher_returns_at_once_and_the_guard_is_not_its_owners_child(tmp_path
 def test_guard_kills_group_when_owner_dies(tmp_path: Path) -> None:
     # The owner is an intermediate process we SIGKILL.
     owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import os, subprocess, sys, time\n"
-         "from optimizer.engine_guard import process_start_time\n"
-         f"argv = [sys.executable, '-m', 'optimizer.engine_guard', str(os.getpid()), process_start_time(os.getpid()), '1', {str(tmp_path / 'x')!r}, '--', sys.executable, '-c', {FAKE_SERVER!r}]\n"
-         "p = subprocess.Popen(argv, start_new_session=True)\n"
-         "p.wait()\n"
-         "print(p.pid, flush=True)\n"
-         "time.sleep(600)\n"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            "from optimizer.engine_guard import process_start_time\n"
+            f"argv = [sys.executable, '-m', 'optimizer.engine_guard', str(os.getpid()), process_start_time(os.getpid()), '1', {str(tmp_path / 'x')!r}, '--', sys.executable, '-c', {FAKE_SERVER!r}]\n"
+            "p = subprocess.Popen(argv, start_new_session=True)\n"
+            "p.wait()\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert owner.stdout is not None
     pgid = int(owner.stdout.readline())
@@ -88,8 +103,9 @@ def test_teardown_escalates_to_sigkill_and_waits_for_empty_group(tmp_path: Path)
 
 def test_guard_records_the_server_exit_code(tmp_path: Path) -> None:
     exit_file = tmp_path / "code"
-    launcher = subprocess.Popen(_guard_argv(os.getpid(), exit_file, "raise SystemExit(7)"),
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        _guard_argv(os.getpid(), exit_file, "raise SystemExit(7)"), start_new_session=True
+    )
     launcher.wait(timeout=10)
     deadline = time.monotonic() + 20
     while not exit_file.exists():

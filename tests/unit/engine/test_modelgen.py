@@ -35,9 +35,14 @@ def test_prompts_encode_one_byte_per_token(tmp_path: Path) -> None:
 def test_llama_preset_has_published_shape_and_full_vocab(tmp_path: Path) -> None:
     out = make_model(tmp_path / "l", "llama-3.1-8b")
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["vocab_size"]) == (
-        4096, 32, 32, 8, 14336, 128256)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    ) == (4096, 32, 32, 8, 14336, 128256)
     assert cfg["rope_scaling"]["rope_type"] == "llama3"
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert tok.get_vocab_size() == 128256
@@ -55,7 +60,9 @@ def test_every_preset_is_consistent() -> None:
         assert heads % kv == 0, name
         head_dim = spec.get("head_dim", spec["hidden_size"] // heads)
         assert head_dim * heads == spec["hidden_size"] or name == "tiny", name
-        assert spec["bos_token_id"] < spec["vocab_size"] and spec["eos_token_id"] < spec["vocab_size"]
+        assert (
+            spec["bos_token_id"] < spec["vocab_size"] and spec["eos_token_id"] < spec["vocab_size"]
+        )
     assert PRESETS["qwen2.5-7b"]["vocab_size"] == 152064
     assert PRESETS["llama-3.1-70b"]["num_hidden_layers"] == 80
 

@@ -27,8 +27,7 @@ MOONCAKE_SLICE = EXAMPLES / "mooncake_synthetic_300.jsonl"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 BURST_V1_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
 BURST_V2_HEADER = (
-    "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,"
-    "Log Type\n"
+    "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
 )
 
 
@@ -55,7 +54,10 @@ def test_azure_slice_reads_every_row_with_exact_fractions() -> None:
     trace, report = read_trace(AZURE_SLICE)
     assert report.format == "azure"
     assert (report.rows_read, report.requests, report.rows_skipped, report.rows_dropped) == (
-        600, 600, 0, 0,
+        600,
+        600,
+        0,
+        0,
     )
     first, second, third = trace.requests[:3]
     assert (first.arrival_s, first.input_tokens, first.output_tokens) == (0.0, 4808, 10)
@@ -71,20 +73,28 @@ def test_azure_slice_reads_every_row_with_exact_fractions() -> None:
 
 
 def test_azure_seventh_fractional_digit_is_not_truncated(tmp_path: Path) -> None:
-    path = write(tmp_path, "t.csv", AZURE_HEADER
-                 + "2023-11-16 18:17:03.0000000,10,2\n"
-                 + "2023-11-16 18:17:03.0000001,10,2\n"
-                 + "2023-11-16 18:17:04.9999999,10,2\n")
+    path = write(
+        tmp_path,
+        "t.csv",
+        AZURE_HEADER
+        + "2023-11-16 18:17:03.0000000,10,2\n"
+        + "2023-11-16 18:17:03.0000001,10,2\n"
+        + "2023-11-16 18:17:04.9999999,10,2\n",
+    )
     trace, _ = read_trace(path)
     assert trace.requests[1].arrival_s == pytest.approx(1e-7, abs=1e-15)
     assert trace.requests[2].arrival_s == pytest.approx(1.9999999, abs=1e-12)
 
 
 def test_azure_2024_timestamps_with_utc_offset_cross_midnight(tmp_path: Path) -> None:
-    path = write(tmp_path, "t.csv", AZURE_HEADER
-                 + "2024-05-10 23:59:59.5000000+00:00,100,20\n"
-                 + "2024-05-11 00:00:00.2500000+00:00,200,30\n"
-                 + "2024-05-11 02:00:01.0000000+02:00,300,40\n")
+    path = write(
+        tmp_path,
+        "t.csv",
+        AZURE_HEADER
+        + "2024-05-10 23:59:59.5000000+00:00,100,20\n"
+        + "2024-05-11 00:00:00.2500000+00:00,200,30\n"
+        + "2024-05-11 02:00:01.0000000+02:00,300,40\n",
+    )
     trace, report = read_trace(path)
     assert report.format == "azure"
     assert [r.arrival_s for r in trace.requests] == pytest.approx([0.0, 0.75, 1.5])
@@ -111,33 +121,41 @@ def test_mooncake_slice_keeps_prefix_blocks_and_ms_timestamps() -> None:
 
 
 def test_burstgpt_v1_layout_drops_failures_with_a_count(tmp_path: Path) -> None:
-    path = write(tmp_path, "burst.csv", BURST_V1_HEADER
-                 + "5,ChatGPT,472,18,490,Conversation log\n"
-                 + "45,ChatGPT,1087,0,1087,Conversation log\n"
-                 + "118,GPT-4,417,276,693,API log\n"
-                 + "118,ChatGPT,1360,0,1360,API log\n"
-                 + "130,GPT-4,90,12,102,API log\n")
+    path = write(
+        tmp_path,
+        "burst.csv",
+        BURST_V1_HEADER
+        + "5,ChatGPT,472,18,490,Conversation log\n"
+        + "45,ChatGPT,1087,0,1087,Conversation log\n"
+        + "118,GPT-4,417,276,693,API log\n"
+        + "118,ChatGPT,1360,0,1360,API log\n"
+        + "130,GPT-4,90,12,102,API log\n",
+    )
     trace, report = read_trace(path)
     assert report.format == "burstgpt"
     assert (report.rows_read, report.requests, report.rows_dropped) == (5, 3, 2)
     assert "Response tokens == 0" in report.drop_reason
     assert [r.arrival_s for r in trace.requests] == [0.0, 113.0, 125.0]
     assert [(r.input_tokens, r.output_tokens) for r in trace.requests] == [
-        (472, 18), (417, 276), (90, 12),
+        (472, 18),
+        (417, 276),
+        (90, 12),
     ]
     assert all(r.session_id is None for r in trace.requests)
     assert "2 rows dropped" in report.summary()
 
 
 def test_burstgpt_v2_layout_reads_sessions_by_header_name(tmp_path: Path) -> None:
-    path = write(tmp_path, "BurstGPT_3.csv", BURST_V2_HEADER
-                 + "19440110.0,1722ac82-0a46-4bf0-aa08-89794e7a2b3f,43,GPT-4,906,446,1352,"
-                   "Conversation log\n"
-                 + "19440161.0,d5983bf9-4b48-497b-892b-a58995247443,2,ChatGPT,36,29,65,"
-                   "Conversation log\n"
-                 + "19440170.5,,1,ChatGPT,50,0,50,API log\n"
-                 + "19440192.0,1722ac82-0a46-4bf0-aa08-89794e7a2b3f,8,GPT-4,1779,123,1902,"
-                   "Conversation log\n")
+    path = write(
+        tmp_path,
+        "BurstGPT_3.csv",
+        BURST_V2_HEADER + "19440110.0,1722ac82-0a46-4bf0-aa08-89794e7a2b3f,43,GPT-4,906,446,1352,"
+        "Conversation log\n" + "19440161.0,d5983bf9-4b48-497b-892b-a58995247443,2,ChatGPT,36,29,65,"
+        "Conversation log\n"
+        + "19440170.5,,1,ChatGPT,50,0,50,API log\n"
+        + "19440192.0,1722ac82-0a46-4bf0-aa08-89794e7a2b3f,8,GPT-4,1779,123,1902,"
+        "Conversation log\n",
+    )
     trace, report = read_trace(path)
     assert report.format == "burstgpt"
     assert (report.requests, report.rows_dropped) == (3, 1)
@@ -151,16 +169,56 @@ def test_burstgpt_v2_layout_reads_sessions_by_header_name(tmp_path: Path) -> Non
 
 
 BAILIAN_ROWS: list[dict[str, object]] = [
-    {"chat_id": 10, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40,
-     "output_length": 7, "type": "text", "turn": 1, "hash_ids": [1, 2, 3]},
-    {"chat_id": 11, "parent_chat_id": -1, "timestamp": 1.25, "input_length": 17,
-     "output_length": 3, "type": "search", "turn": 1, "hash_ids": [4, 5]},
-    {"chat_id": 12, "parent_chat_id": 10, "timestamp": 2.0, "input_length": 60,
-     "output_length": 9, "type": "text", "turn": 2, "hash_ids": [1, 2, 3, 6]},
-    {"chat_id": 13, "parent_chat_id": 12, "timestamp": 3.5, "input_length": 80,
-     "output_length": 4, "type": "text", "turn": 3, "hash_ids": [1, 2, 3, 6, 7]},
-    {"chat_id": 14, "parent_chat_id": 7, "timestamp": 4.0, "input_length": 16,
-     "output_length": 2, "type": "file", "turn": 5, "hash_ids": [8]},
+    {
+        "chat_id": 10,
+        "parent_chat_id": -1,
+        "timestamp": 0.5,
+        "input_length": 40,
+        "output_length": 7,
+        "type": "text",
+        "turn": 1,
+        "hash_ids": [1, 2, 3],
+    },
+    {
+        "chat_id": 11,
+        "parent_chat_id": -1,
+        "timestamp": 1.25,
+        "input_length": 17,
+        "output_length": 3,
+        "type": "search",
+        "turn": 1,
+        "hash_ids": [4, 5],
+    },
+    {
+        "chat_id": 12,
+        "parent_chat_id": 10,
+        "timestamp": 2.0,
+        "input_length": 60,
+        "output_length": 9,
+        "type": "text",
+        "turn": 2,
+        "hash_ids": [1, 2, 3, 6],
+    },
+    {
+        "chat_id": 13,
+        "parent_chat_id": 12,
+        "timestamp": 3.5,
+        "input_length": 80,
+        "output_length": 4,
+        "type": "text",
+        "turn": 3,
+        "hash_ids": [1, 2, 3, 6, 7],
+    },
+    {
+        "chat_id": 14,
+        "parent_chat_id": 7,
+        "timestamp": 4.0,
+        "input_length": 16,
+        "output_length": 2,
+        "type": "file",
+        "turn": 5,
+        "hash_ids": [8],
+    },
 ]
 
 
@@ -186,15 +244,23 @@ def test_bailian_block_size_comes_from_file_name(tmp_path: Path) -> None:
 def test_vllm_custom_uses_explicit_input_tokens_else_word_count_and_says_so(
     tmp_path: Path,
 ) -> None:
-    path = write(tmp_path, "custom.jsonl", jsonl([
-        {"prompt": "What is the capital of India?", "output_tokens": 10},
-        {"prompt": "xxxxxxxxxx", "output_tokens": 5, "input_tokens": 10},
-        {"prompt": "one two  three\nfour", "output_tokens": 1},
-    ]))
+    path = write(
+        tmp_path,
+        "custom.jsonl",
+        jsonl(
+            [
+                {"prompt": "What is the capital of India?", "output_tokens": 10},
+                {"prompt": "xxxxxxxxxx", "output_tokens": 5, "input_tokens": 10},
+                {"prompt": "one two  three\nfour", "output_tokens": 1},
+            ]
+        ),
+    )
     trace, report = read_trace(path)
     assert report.format == "vllm-custom"
     assert [(r.input_tokens, r.output_tokens) for r in trace.requests] == [
-        (6, 10), (10, 5), (4, 1),
+        (6, 10),
+        (10, 5),
+        (4, 1),
     ]
     assert all(r.arrival_s == 0.0 for r in trace.requests)
     assert any("no timing" in note for note in report.notes)
@@ -202,8 +268,9 @@ def test_vllm_custom_uses_explicit_input_tokens_else_word_count_and_says_so(
 
 
 def test_vllm_custom_without_approximation_has_no_approximation_note(tmp_path: Path) -> None:
-    path = write(tmp_path, "custom.jsonl",
-                 jsonl([{"prompt": "abc", "output_tokens": 2, "input_tokens": 3}]))
+    path = write(
+        tmp_path, "custom.jsonl", jsonl([{"prompt": "abc", "output_tokens": 2, "input_tokens": 3}])
+    )
     _, report = read_trace(path)
     assert not any("approximated" in note for note in report.notes)
 
@@ -225,15 +292,28 @@ def test_gzip_files_are_read_transparently(tmp_path: Path) -> None:
         ("a.csv", AZURE_HEADER + "2023-11-16 18:17:03.9799600,4808,10\n", "azure"),
         ("b.csv", BURST_V1_HEADER + "5,ChatGPT,472,18,490,Conversation log\n", "burstgpt"),
         ("c.csv", BURST_V2_HEADER + "1.0,s,3,GPT-4,9,9,18,API log\n", "burstgpt"),
-        ("d.jsonl", jsonl([{"timestamp": 0, "input_length": 5, "output_length": 1,
-                            "hash_ids": [0]}]), "mooncake"),
+        (
+            "d.jsonl",
+            jsonl([{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}]),
+            "mooncake",
+        ),
         ("e.jsonl", jsonl(BAILIAN_ROWS[:1]), "bailian"),
         ("f.jsonl", jsonl([{"prompt": "hi", "output_tokens": 3}]), "vllm-custom"),
-        ("g.jsonl", jsonl([{"arrival_s": 0.0, "input_tokens": 5, "output_tokens": 2}]),
-         "canonical"),
-        ("h.jsonl", jsonl([{"format": "vllm-autotune-trace", "version": 1},
-                           {"arrival_s": 0.0, "input_tokens": 5, "output_tokens": 2}]),
-         "canonical"),
+        (
+            "g.jsonl",
+            jsonl([{"arrival_s": 0.0, "input_tokens": 5, "output_tokens": 2}]),
+            "canonical",
+        ),
+        (
+            "h.jsonl",
+            jsonl(
+                [
+                    {"format": "vllm-autotune-trace", "version": 1},
+                    {"arrival_s": 0.0, "input_tokens": 5, "output_tokens": 2},
+                ]
+            ),
+            "canonical",
+        ),
         ("i.txt", AZURE_HEADER + "2023-11-16 18:17:03.9799600,4808,10\n", "azure"),
         ("j.log", jsonl([{"prompt": "hi", "output_tokens": 3}]), "vllm-custom"),
     ],
@@ -247,9 +327,15 @@ def test_detect_format(tmp_path: Path, name: str, text: str, expected: str) -> N
 
 
 def test_explicit_format_overrides_detection(tmp_path: Path) -> None:
-    path = write(tmp_path, "odd.jsonl", jsonl([
-        {"timestamp": 0, "input_length": 5, "output_length": 1, "chat_id": 1},
-    ]))
+    path = write(
+        tmp_path,
+        "odd.jsonl",
+        jsonl(
+            [
+                {"timestamp": 0, "input_length": 5, "output_length": 1, "chat_id": 1},
+            ]
+        ),
+    )
     _, report = read_trace(path, fmt="mooncake")
     assert report.format == "mooncake"
 
@@ -261,8 +347,9 @@ def test_explicit_format_overrides_detection(tmp_path: Path) -> None:
         ("x.jsonl", "\n" + jsonl([{"foo": 1, "bar": 2}]), 2),
     ],
 )
-def test_unknown_format_names_file_and_line(tmp_path: Path, name: str, text: str,
-                                            line: int) -> None:
+def test_unknown_format_names_file_and_line(
+    tmp_path: Path, name: str, text: str, line: int
+) -> None:
     path = write(tmp_path, name, text)
     with pytest.raises(TraceError, match="unknown") as info:
         read_trace(path)
@@ -310,73 +397,208 @@ def mooncake_rows(*changes: dict[str, object]) -> str:
 
 BAD_CASES = [
     # (id, file name, text, 1-based line, field)
-    ("azure-non-numeric", "a.csv",
-     AZURE_HEADER + AZ_OK + "2023-11-16 18:17:04.0000000,abc,10\n", 3, "ContextTokens"),
-    ("azure-zero-output", "a.csv",
-     AZURE_HEADER + AZ_OK + "2023-11-16 18:17:04.0000000,5,0\n", 3, "GeneratedTokens"),
-    ("azure-negative-input", "a.csv",
-     AZURE_HEADER + "2023-11-16 18:17:04.0000000,-5,3\n", 2, "ContextTokens"),
-    ("azure-fractional-length", "a.csv",
-     AZURE_HEADER + "2023-11-16 18:17:04.0000000,5.5,3\n", 2, "ContextTokens"),
-    ("azure-bad-timestamp", "a.csv",
-     AZURE_HEADER + AZ_OK + "yesterday,5,3\n", 3, "TIMESTAMP"),
-    ("azure-impossible-date", "a.csv",
-     AZURE_HEADER + "2023-02-30 18:17:04.0000000,5,3\n", 2, "TIMESTAMP"),
-    ("azure-non-monotonic", "a.csv",
-     AZURE_HEADER + AZ_OK + "2023-11-16 18:17:05.0000000,5,3\n"
-     + "2023-11-16 18:17:03.0000000,5,3\n", 4, "TIMESTAMP"),
-    ("azure-missing-column", "a.csv",
-     AZURE_HEADER + AZ_OK + "2023-11-16 18:17:05.0000000,5\n", 3, None),
-    ("mooncake-malformed-json", "m.jsonl",
-     mooncake_rows({}) + '{"timestamp": 5, "input_length": \n', 2, None),
+    (
+        "azure-non-numeric",
+        "a.csv",
+        AZURE_HEADER + AZ_OK + "2023-11-16 18:17:04.0000000,abc,10\n",
+        3,
+        "ContextTokens",
+    ),
+    (
+        "azure-zero-output",
+        "a.csv",
+        AZURE_HEADER + AZ_OK + "2023-11-16 18:17:04.0000000,5,0\n",
+        3,
+        "GeneratedTokens",
+    ),
+    (
+        "azure-negative-input",
+        "a.csv",
+        AZURE_HEADER + "2023-11-16 18:17:04.0000000,-5,3\n",
+        2,
+        "ContextTokens",
+    ),
+    (
+        "azure-fractional-length",
+        "a.csv",
+        AZURE_HEADER + "2023-11-16 18:17:04.0000000,5.5,3\n",
+        2,
+        "ContextTokens",
+    ),
+    ("azure-bad-timestamp", "a.csv", AZURE_HEADER + AZ_OK + "yesterday,5,3\n", 3, "TIMESTAMP"),
+    (
+        "azure-impossible-date",
+        "a.csv",
+        AZURE_HEADER + "2023-02-30 18:17:04.0000000,5,3\n",
+        2,
+        "TIMESTAMP",
+    ),
+    (
+        "azure-non-monotonic",
+        "a.csv",
+        AZURE_HEADER
+        + AZ_OK
+        + "2023-11-16 18:17:05.0000000,5,3\n"
+        + "2023-11-16 18:17:03.0000000,5,3\n",
+        4,
+        "TIMESTAMP",
+    ),
+    (
+        "azure-missing-column",
+        "a.csv",
+        AZURE_HEADER + AZ_OK + "2023-11-16 18:17:05.0000000,5\n",
+        3,
+        None,
+    ),
+    (
+        "mooncake-malformed-json",
+        "m.jsonl",
+        mooncake_rows({}) + '{"timestamp": 5, "input_length": \n',
+        2,
+        None,
+    ),
     ("mooncake-not-an-object", "m.jsonl", mooncake_rows({}) + "[1, 2]\n", 2, None),
-    ("mooncake-missing-field", "m.jsonl",
-     mooncake_rows({}, {"output_length": ...}), 2, "output_length"),
-    ("mooncake-string-length", "m.jsonl",
-     mooncake_rows({}, {"input_length": "many"}), 2, "input_length"),
-    ("mooncake-bool-length", "m.jsonl",
-     mooncake_rows({}, {"output_length": True}), 2, "output_length"),
-    ("mooncake-non-monotonic", "m.jsonl",
-     mooncake_rows({}, {}, {"timestamp": 5}), 3, "timestamp"),
-    ("mooncake-bad-hash-ids", "m.jsonl",
-     mooncake_rows({}, {"hash_ids": "0,1"}), 2, "hash_ids"),
-    ("mooncake-nan-timestamp", "m.jsonl",
-     mooncake_rows({}) + '{"timestamp": NaN, "input_length": 5, "output_length": 1}\n', 2,
-     "timestamp"),
-    ("burstgpt-non-numeric", "b.csv",
-     BURST_V1_HEADER + "5,ChatGPT,lots,18,490,Conversation log\n", 2, "Request tokens"),
-    ("burstgpt-negative-response", "b.csv",
-     BURST_V1_HEADER + "5,ChatGPT,10,-1,9,Conversation log\n", 2, "Response tokens"),
-    ("burstgpt-zero-request", "b.csv",
-     BURST_V1_HEADER + "5,ChatGPT,0,4,4,Conversation log\n", 2, "Request tokens"),
-    ("burstgpt-non-monotonic", "b.csv",
-     BURST_V1_HEADER + "5,ChatGPT,10,4,14,API log\n4,ChatGPT,10,4,14,API log\n", 3,
-     "Timestamp"),
-    ("bailian-zero-input", "q.jsonl",
-     jsonl([{**BAILIAN_ROWS[0], "input_length": 0}]), 1, "input_length"),
-    ("custom-missing-output", "c.jsonl",
-     jsonl([{"prompt": "a b", "output_tokens": 1}, {"prompt": "a b"}]), 2, "output_tokens"),
-    ("custom-non-string-prompt", "c.jsonl",
-     jsonl([{"prompt": "a b", "output_tokens": 1}, {"prompt": 5, "output_tokens": 1}]), 2,
-     "prompt"),
-    ("canonical-unknown-key", "t.jsonl",
-     jsonl([{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1},
-            {"arrival_s": 1, "input_tokens": 5, "output_tokens": 1, "prompt_len": 3}]), 2,
-     "prompt_len"),
-    ("canonical-negative-arrival", "t.jsonl",
-     jsonl([{"arrival_s": -1, "input_tokens": 5, "output_tokens": 1}]), 1, "arrival_s"),
-    ("canonical-zero-output", "t.jsonl",
-     jsonl([{"format": "vllm-autotune-trace", "version": 1},
-            {"arrival_s": 0, "input_tokens": 5, "output_tokens": 0}]), 2, "output_tokens"),
-    ("canonical-session-not-string", "t.jsonl",
-     jsonl([{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1, "session_id": 3}]), 1,
-     "session_id"),
-    ("canonical-bad-version", "t.jsonl",
-     jsonl([{"format": "vllm-autotune-trace", "version": 2},
-            {"arrival_s": 0, "input_tokens": 5, "output_tokens": 1}]), 1, "version"),
-    ("canonical-bad-block-size", "t.jsonl",
-     jsonl([{"format": "vllm-autotune-trace", "version": 1, "block_size": 0},
-            {"arrival_s": 0, "input_tokens": 5, "output_tokens": 1}]), 1, "block_size"),
+    (
+        "mooncake-missing-field",
+        "m.jsonl",
+        mooncake_rows({}, {"output_length": ...}),
+        2,
+        "output_length",
+    ),
+    (
+        "mooncake-string-length",
+        "m.jsonl",
+        mooncake_rows({}, {"input_length": "many"}),
+        2,
+        "input_length",
+    ),
+    (
+        "mooncake-bool-length",
+        "m.jsonl",
+        mooncake_rows({}, {"output_length": True}),
+        2,
+        "output_length",
+    ),
+    ("mooncake-non-monotonic", "m.jsonl", mooncake_rows({}, {}, {"timestamp": 5}), 3, "timestamp"),
+    ("mooncake-bad-hash-ids", "m.jsonl", mooncake_rows({}, {"hash_ids": "0,1"}), 2, "hash_ids"),
+    (
+        "mooncake-nan-timestamp",
+        "m.jsonl",
+        mooncake_rows({}) + '{"timestamp": NaN, "input_length": 5, "output_length": 1}\n',
+        2,
+        "timestamp",
+    ),
+    (
+        "burstgpt-non-numeric",
+        "b.csv",
+        BURST_V1_HEADER + "5,ChatGPT,lots,18,490,Conversation log\n",
+        2,
+        "Request tokens",
+    ),
+    (
+        "burstgpt-negative-response",
+        "b.csv",
+        BURST_V1_HEADER + "5,ChatGPT,10,-1,9,Conversation log\n",
+        2,
+        "Response tokens",
+    ),
+    (
+        "burstgpt-zero-request",
+        "b.csv",
+        BURST_V1_HEADER + "5,ChatGPT,0,4,4,Conversation log\n",
+        2,
+        "Request tokens",
+    ),
+    (
+        "burstgpt-non-monotonic",
+        "b.csv",
+        BURST_V1_HEADER + "5,ChatGPT,10,4,14,API log\n4,ChatGPT,10,4,14,API log\n",
+        3,
+        "Timestamp",
+    ),
+    (
+        "bailian-zero-input",
+        "q.jsonl",
+        jsonl([{**BAILIAN_ROWS[0], "input_length": 0}]),
+        1,
+        "input_length",
+    ),
+    (
+        "custom-missing-output",
+        "c.jsonl",
+        jsonl([{"prompt": "a b", "output_tokens": 1}, {"prompt": "a b"}]),
+        2,
+        "output_tokens",
+    ),
+    (
+        "custom-non-string-prompt",
+        "c.jsonl",
+        jsonl([{"prompt": "a b", "output_tokens": 1}, {"prompt": 5, "output_tokens": 1}]),
+        2,
+        "prompt",
+    ),
+    (
+        "canonical-unknown-key",
+        "t.jsonl",
+        jsonl(
+            [
+                {"arrival_s": 0, "input_tokens": 5, "output_tokens": 1},
+                {"arrival_s": 1, "input_tokens": 5, "output_tokens": 1, "prompt_len": 3},
+            ]
+        ),
+        2,
+        "prompt_len",
+    ),
+    (
+        "canonical-negative-arrival",
+        "t.jsonl",
+        jsonl([{"arrival_s": -1, "input_tokens": 5, "output_tokens": 1}]),
+        1,
+        "arrival_s",
+    ),
+    (
+        "canonical-zero-output",
+        "t.jsonl",
+        jsonl(
+            [
+                {"format": "vllm-autotune-trace", "version": 1},
+                {"arrival_s": 0, "input_tokens": 5, "output_tokens": 0},
+            ]
+        ),
+        2,
+        "output_tokens",
+    ),
+    (
+        "canonical-session-not-string",
+        "t.jsonl",
+        jsonl([{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1, "session_id": 3}]),
+        1,
+        "session_id",
+    ),
+    (
+        "canonical-bad-version",
+        "t.jsonl",
+        jsonl(
+            [
+                {"format": "vllm-autotune-trace", "version": 2},
+                {"arrival_s": 0, "input_tokens": 5, "output_tokens": 1},
+            ]
+        ),
+        1,
+        "version",
+    ),
+    (
+        "canonical-bad-block-size",
+        "t.jsonl",
+        jsonl(
+            [
+                {"format": "vllm-autotune-trace", "version": 1, "block_size": 0},
+                {"arrival_s": 0, "input_tokens": 5, "output_tokens": 1},
+            ]
+        ),
+        1,
+        "block_size",
+    ),
 ]
 
 
@@ -399,14 +621,18 @@ def test_bad_input_names_file_line_and_field(
 
 
 def test_skip_bad_rows_counts_every_skipped_row(tmp_path: Path) -> None:
-    path = write(tmp_path, "a.csv", AZURE_HEADER
-                 + "2023-11-16 18:17:03.0000000,100,10\n"
-                 + "2023-11-16 18:17:04.0000000,abc,10\n"
-                 + "2023-11-16 18:17:05.0000000,200,20\n"
-                 + "2023-11-16 18:17:01.0000000,300,30\n"   # goes backwards
-                 + "2023-11-16 18:17:06.0000000,400\n"      # a column short
-                 + "2023-11-16 18:17:07.0000000,500,0\n"    # zero output
-                 + "2023-11-16 18:17:08.0000000,600,60\n")
+    path = write(
+        tmp_path,
+        "a.csv",
+        AZURE_HEADER
+        + "2023-11-16 18:17:03.0000000,100,10\n"
+        + "2023-11-16 18:17:04.0000000,abc,10\n"
+        + "2023-11-16 18:17:05.0000000,200,20\n"
+        + "2023-11-16 18:17:01.0000000,300,30\n"  # goes backwards
+        + "2023-11-16 18:17:06.0000000,400\n"  # a column short
+        + "2023-11-16 18:17:07.0000000,500,0\n"  # zero output
+        + "2023-11-16 18:17:08.0000000,600,60\n",
+    )
     trace, report = read_trace(path, skip_bad_rows=True)
     assert [r.input_tokens for r in trace.requests] == [100, 200, 600]
     assert [r.arrival_s for r in trace.requests] == pytest.approx([0.0, 2.0, 5.0])
@@ -427,14 +653,21 @@ def test_skip_bad_rows_keeps_only_the_first_few_reasons(tmp_path: Path) -> None:
 
 
 def test_skip_bad_rows_separates_skips_from_rule_drops(tmp_path: Path) -> None:
-    path = write(tmp_path, "b.csv", BURST_V1_HEADER
-                 + "1,ChatGPT,10,5,15,API log\n"
-                 + "2,ChatGPT,10,0,10,API log\n"
-                 + "3,ChatGPT,ten,5,15,API log\n"
-                 + "4,ChatGPT,10,5,15,API log\n")
+    path = write(
+        tmp_path,
+        "b.csv",
+        BURST_V1_HEADER
+        + "1,ChatGPT,10,5,15,API log\n"
+        + "2,ChatGPT,10,0,10,API log\n"
+        + "3,ChatGPT,ten,5,15,API log\n"
+        + "4,ChatGPT,10,5,15,API log\n",
+    )
     trace, report = read_trace(path, skip_bad_rows=True)
     assert (report.rows_read, report.requests, report.rows_skipped, report.rows_dropped) == (
-        4, 2, 1, 1,
+        4,
+        2,
+        1,
+        1,
     )
     assert len(trace) == 2
 
@@ -465,8 +698,12 @@ def test_canonical_round_trip_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     write_trace(trace, path)
     first = json.loads(path.read_text().splitlines()[0])
-    assert first == {"format": "vllm-autotune-trace", "version": 1, "block_size": 64,
-                     "source": "hand-made"}
+    assert first == {
+        "format": "vllm-autotune-trace",
+        "version": 1,
+        "block_size": 64,
+        "source": "hand-made",
+    }
     again, report = read_trace(path)
     assert report.format == "canonical"
     assert again.requests == trace.requests
@@ -494,7 +731,7 @@ def test_export_vllm_custom_prompts_have_exact_lengths_and_shared_prefixes(
         requests=(
             TraceRequest(0.0, 20, 3, (7, 8)),
             TraceRequest(1.0, 13, 4, (7, 9)),
-            TraceRequest(3.0, 6, 5, (7, 8)),   # shorter than its blocks
+            TraceRequest(3.0, 6, 5, (7, 8)),  # shorter than its blocks
             TraceRequest(4.0, 20, 6),
             TraceRequest(6.0, 20, 7),
         ),
@@ -510,9 +747,9 @@ def test_export_vllm_custom_prompts_have_exact_lengths_and_shared_prefixes(
         assert len(row["prompt"]) == len(row["prompt"].encode()) == request.input_tokens
         assert row["prompt"].isascii() and not any(c.isspace() for c in row["prompt"])
         assert row["output_tokens"] == request.output_tokens
-    assert prompts[0][:8] == prompts[1][:8]                     # block 7 shared
-    assert prompts[2] == prompts[0][:6]                         # block 7, cut at 6 tokens
-    assert prompts[0][8:16] != prompts[1][8:16]                 # blocks 8 and 9 differ
+    assert prompts[0][:8] == prompts[1][:8]  # block 7 shared
+    assert prompts[2] == prompts[0][:6]  # block 7, cut at 6 tokens
+    assert prompts[0][8:16] != prompts[1][8:16]  # blocks 8 and 9 differ
     assert prompts[0][16:] != prompts[1][13:] and prompts[3] != prompts[4]  # fresh tails
     # Deterministic: the same trace exports the same file.
     again = tmp_path / "again.jsonl"

@@ -14,7 +14,7 @@ import pytest
 from optimizer.errors import ReplayError
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, ReplayResult, replay
+from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, replay
 
 VOCAB = TokenRange(256, 1000)
 URL = "http://fake"

@@ -50,7 +50,9 @@ def test_compression_divides_duration_and_keeps_requests(mooncake: Trace, factor
     for old, new in zip(mooncake.requests, shaped.requests, strict=True):
         assert new.arrival_s == pytest.approx(old.arrival_s / factor)
         assert (new.input_tokens, new.output_tokens, new.prefix_blocks) == (
-            old.input_tokens, old.output_tokens, old.prefix_blocks,
+            old.input_tokens,
+            old.output_tokens,
+            old.prefix_blocks,
         )
     assert report.step == "compress"
     assert report.after["mean_rate_rps"] == pytest.approx(report.before["mean_rate_rps"] * factor)
@@ -75,7 +77,7 @@ def test_window_keeps_half_open_interval_and_shifts_to_its_start() -> None:
     assert [r.arrival_s for r in shaped.requests] == [0.0, 1.0, 2.0]
     assert [r.input_tokens for r in shaped.requests] == [300, 400, 500]
     assert (report.before["requests"], report.after["requests"]) == (10, 3)
-    assert report.changed_requests == 10   # 7 removed, 3 shifted
+    assert report.changed_requests == 10  # 7 removed, 3 shifted
     open_end, _ = time_window(small(), 7.5)
     assert [r.arrival_s for r in open_end.requests] == [0.5, 1.5]
 
@@ -108,8 +110,10 @@ def test_clip_honours_max_model_len_and_keeps_blocks_consistent(
 
 
 def test_clip_leaves_fitting_requests_alone_and_caps_outputs() -> None:
-    trace = Trace(requests=(TraceRequest(0.0, 100, 10, (1,)), TraceRequest(1.0, 100, 500, (1,))),
-                  block_size=64)
+    trace = Trace(
+        requests=(TraceRequest(0.0, 100, 10, (1,)), TraceRequest(1.0, 100, 500, (1,))),
+        block_size=64,
+    )
     shaped, report = clip_lengths(trace, 1000, max_output_tokens=50)
     assert shaped.requests[0] is trace.requests[0]
     assert (shaped.requests[1].input_tokens, shaped.requests[1].output_tokens) == (100, 50)
@@ -140,18 +144,32 @@ def test_subsample_is_seeded_sorted_and_sized(mooncake: Trace) -> None:
     positions = [original.index(r) for r in a.requests]
     assert positions == sorted(positions)
     assert (report.before["requests"], report.after["requests"], report.changed_requests) == (
-        300, 90, 210,
+        300,
+        90,
+        210,
     )
     with pytest.raises(ConfigError):
         subsample(mooncake, 0.0)
 
 
 def test_shape_applies_steps_in_a_fixed_order_and_reports_each(mooncake: Trace) -> None:
-    spec = ShapeSpec(window_s=(0.0, 60.0), sample_fraction=0.5, compress=2.0,
-                     rate_scale=1.5, length_scale=0.5, max_model_len=1024, seed=3)
+    spec = ShapeSpec(
+        window_s=(0.0, 60.0),
+        sample_fraction=0.5,
+        compress=2.0,
+        rate_scale=1.5,
+        length_scale=0.5,
+        max_model_len=1024,
+        seed=3,
+    )
     shaped, reports = shape(mooncake, spec)
     assert [r.step for r in reports] == [
-        "window", "subsample", "compress", "rate_scale", "length_scale", "clip",
+        "window",
+        "subsample",
+        "compress",
+        "rate_scale",
+        "length_scale",
+        "clip",
     ]
     for earlier, later in itertools.pairwise(reports):
         assert later.before == earlier.after

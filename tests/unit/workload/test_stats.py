@@ -30,12 +30,10 @@ def test_load_numbers() -> None:
     assert stats["requests"] == 5
     assert stats["duration_s"] == 61.0
     assert stats["mean_rate_rps"] == pytest.approx(4 / 61)
-    assert stats["peak_rate_rps"] == 3    # 0.0, 0.5, 0.9 share the first second
-    assert stats["peak_rate_rpm"] == 4    # all but the request at 61 s
+    assert stats["peak_rate_rps"] == 3  # 0.0, 0.5, 0.9 share the first second
+    assert stats["peak_rate_rpm"] == 4  # all but the request at 61 s
     gaps = [0.5, 0.4, 1.1, 59.0]
-    assert stats["burstiness_cv"] == pytest.approx(
-        statistics.pstdev(gaps) / statistics.fmean(gaps)
-    )
+    assert stats["burstiness_cv"] == pytest.approx(statistics.pstdev(gaps) / statistics.fmean(gaps))
     assert stats["sessions"] == 2
     assert stats["source"] == "hand"
 
@@ -43,7 +41,7 @@ def test_load_numbers() -> None:
 def test_length_percentiles_are_linear() -> None:
     stats = inspect_trace(HAND)
     assert stats["p50_input_tokens"] == 300
-    assert stats["p95_input_tokens"] == pytest.approx(480)   # 400 + 0.8 * 100
+    assert stats["p95_input_tokens"] == pytest.approx(480)  # 400 + 0.8 * 100
     assert stats["p99_input_tokens"] == pytest.approx(496)
     assert stats["max_input_tokens"] == 500
     assert stats["mean_input_tokens"] == 300
@@ -56,10 +54,10 @@ def test_length_percentiles_are_linear() -> None:
 def test_prefix_reuse_counts_tokens_of_whole_prefix_matches() -> None:
     trace = Trace(
         requests=(
-            TraceRequest(0.0, 8, 1, (1, 2)),       # 8 new tokens
-            TraceRequest(1.0, 10, 1, (1, 2, 3)),   # 8 reused, block 3 covers 2 new tokens
-            TraceRequest(2.0, 4, 1, (2,)),         # block 2 not at the start before: 4 new
-            TraceRequest(3.0, 3, 1, (1, 2)),       # only 3 tokens of block 1, reused
+            TraceRequest(0.0, 8, 1, (1, 2)),  # 8 new tokens
+            TraceRequest(1.0, 10, 1, (1, 2, 3)),  # 8 reused, block 3 covers 2 new tokens
+            TraceRequest(2.0, 4, 1, (2,)),  # block 2 not at the start before: 4 new
+            TraceRequest(3.0, 3, 1, (1, 2)),  # only 3 tokens of block 1, reused
         ),
         block_size=4,
     )
@@ -92,7 +90,7 @@ def test_render_inspect_lists_every_statistic() -> None:
     stats = inspect_trace(HAND)
     table = render_inspect(stats)
     assert isinstance(table, Table)
-    assert table.row_count == len(stats) - 1   # the source goes into the title
+    assert table.row_count == len(stats) - 1  # the source goes into the title
     console = Console(record=True, width=100)
     console.print(table)
     text = console.export_text()

@@ -11,12 +11,33 @@ from optimizer.workload.synthetic import Lengths, MixComponent, synthesize
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:
-    a = synthesize(500, rate_rps=4.0, burstiness_cv=2.0, prefix_groups=3,
-                   prefix_fraction=0.5, prefix_tokens=512, seed=7)
-    b = synthesize(500, rate_rps=4.0, burstiness_cv=2.0, prefix_groups=3,
-                   prefix_fraction=0.5, prefix_tokens=512, seed=7)
-    c = synthesize(500, rate_rps=4.0, burstiness_cv=2.0, prefix_groups=3,
-                   prefix_fraction=0.5, prefix_tokens=512, seed=8)
+    a = synthesize(
+        500,
+        rate_rps=4.0,
+        burstiness_cv=2.0,
+        prefix_groups=3,
+        prefix_fraction=0.5,
+        prefix_tokens=512,
+        seed=7,
+    )
+    b = synthesize(
+        500,
+        rate_rps=4.0,
+        burstiness_cv=2.0,
+        prefix_groups=3,
+        prefix_fraction=0.5,
+        prefix_tokens=512,
+        seed=7,
+    )
+    c = synthesize(
+        500,
+        rate_rps=4.0,
+        burstiness_cv=2.0,
+        prefix_groups=3,
+        prefix_fraction=0.5,
+        prefix_tokens=512,
+        seed=8,
+    )
     assert a == b
     assert a.requests != c.requests
 
@@ -58,8 +79,11 @@ def test_mix_weights_and_fixed_lengths() -> None:
 
 
 def test_lognormal_lengths_have_the_median_and_respect_the_clip() -> None:
-    mix = [MixComponent(1.0, Lengths(1000, sigma=0.5, max_tokens=2500),
-                        Lengths(50, sigma=1.0, max_tokens=400))]
+    mix = [
+        MixComponent(
+            1.0, Lengths(1000, sigma=0.5, max_tokens=2500), Lengths(50, sigma=1.0, max_tokens=400)
+        )
+    ]
     trace = synthesize(20_000, rate_rps=1.0, mix=mix, seed=5)
     inputs = np.array([r.input_tokens for r in trace.requests])
     outputs = np.array([r.output_tokens for r in trace.requests])
@@ -70,10 +94,16 @@ def test_lognormal_lengths_have_the_median_and_respect_the_clip() -> None:
 
 
 def test_shared_prefixes() -> None:
-    trace = synthesize(4000, rate_rps=2.0, mix=[MixComponent(1.0, Lengths.fixed(300),
-                                                             Lengths.fixed(20))],
-                       prefix_groups=4, prefix_fraction=0.25, prefix_tokens=1024,
-                       block_size=512, seed=6)
+    trace = synthesize(
+        4000,
+        rate_rps=2.0,
+        mix=[MixComponent(1.0, Lengths.fixed(300), Lengths.fixed(20))],
+        prefix_groups=4,
+        prefix_fraction=0.25,
+        prefix_tokens=1024,
+        block_size=512,
+        seed=6,
+    )
     with_prefix = [r for r in trace.requests if r.prefix_blocks]
     assert len(with_prefix) / len(trace) == pytest.approx(0.25, abs=0.03)
     assert {r.prefix_blocks for r in with_prefix} == {(0, 1), (2, 3), (4, 5), (6, 7)}
@@ -94,10 +124,18 @@ def test_shared_prefixes() -> None:
         {"num_requests": 10, "rate_rps": 0.0},
         {"num_requests": 10, "rate_rps": 1.0, "burstiness_cv": 0.0},
         {"num_requests": 10, "rate_rps": 1.0, "mix": []},
-        {"num_requests": 10, "rate_rps": 1.0,
-         "mix": [MixComponent(0.0, Lengths.fixed(1), Lengths.fixed(1))]},
-        {"num_requests": 10, "rate_rps": 1.0, "prefix_groups": 2, "prefix_fraction": 0.5,
-         "prefix_tokens": 100},
+        {
+            "num_requests": 10,
+            "rate_rps": 1.0,
+            "mix": [MixComponent(0.0, Lengths.fixed(1), Lengths.fixed(1))],
+        },
+        {
+            "num_requests": 10,
+            "rate_rps": 1.0,
+            "prefix_groups": 2,
+            "prefix_fraction": 0.5,
+            "prefix_tokens": 100,
+        },
         {"num_requests": 10, "rate_rps": 1.0, "prefix_groups": 2, "prefix_fraction": 0.5},
         {"num_requests": 10, "rate_rps": 1.0, "prefix_fraction": 1.5},
     ],
