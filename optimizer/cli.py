@@ -332,7 +332,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
 
     from objectives import parse_slo, summarize
     from optimizer.modelgen import model_info
-    from optimizer.trial import run_trial, write_records
+    from optimizer.trial import boost_priority, run_trial, write_records
     from optimizer.types import TrialSpec, TrialStatus
     from optimizer.workload.prompts import TokenRange
     from optimizer.workload.replay import ReplayProgress, run_replay
@@ -377,6 +377,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
             )
 
         if ns.url:
+            boost_priority()  # the client keeps its schedule even when the server is busy
             if not served:
                 raise ConfigError("--url needs --served-model (the model name the server serves)")
             result = run_replay(

@@ -73,7 +73,7 @@ class LocalRunner:
         )
 
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
-        return _Handle(spec, self._pool.submit(run_trial, spec))
+        return _Handle(spec, self._pool.submit(run_trial, spec, isolate_client=True))
 
     def cancel(self, handle: _Handle) -> None:
         # A running engine is a subprocess of this process: its guard outlives nothing, but a

@@ -10,9 +10,11 @@ with its whole process group, before this function returns.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gzip
 import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -33,7 +35,7 @@ from optimizer.types import (
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
 
-__all__ = ["SERVER_METRICS", "read_records", "run_trial", "write_records"]
+__all__ = ["SERVER_METRICS", "boost_priority", "read_records", "run_trial", "write_records"]
 
 # /metrics samples worth keeping per trial (counters are read after the replay).
 SERVER_METRICS = (
@@ -138,9 +140,15 @@ def run_trial(
             with concurrent.futures.ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn")
             ) as pool:
-                replay = pool.submit(_replay, spec, engine.url, None).result()
+                replay = pool.submit(_replay, spec, engine.url, None, True).result()
         else:
-            replay = _replay(spec, engine.url, progress)
+            # Boost only now: the server, started above, keeps its normal priority.
+            before = os.getpriority(os.PRIO_PROCESS, 0)
+            try:
+                replay = _replay(spec, engine.url, progress, True)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, 0, before)
         replay_s = time.monotonic() - t0
         server_metrics = _scrape(engine)
         try:
