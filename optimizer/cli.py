@@ -543,21 +543,213 @@ def _tracker_for(plan: Any, ns: argparse.Namespace) -> Any:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
-    import optuna
 
     from optimizer.report import front_table, status_table
+
+    _plan, study = _load_study_dir(Path(ns.dir))
+    console.print(status_table(study))
+    console.print(front_table(study))
+    return 0
+
+
+_PRIMARY = {
+    "max-throughput": "output_throughput",
+    "min-ttft": "p95_ttft_ms",
+    "min-tpot": "p95_tpot_ms",
+}
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
+    import optuna
+
     from optimizer.study import create_storage
 
-    folder = Path(ns.dir)
     plan_file = folder / "plan.json"
     if not plan_file.exists():
         raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
     plan = json.loads(plan_file.read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
-    console.print(status_table(study))
-    console.print(front_table(study))
+    return plan, study
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from optimizer import export as ex
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+    from optimizer.types import EngineConfig, TrialSpec
+
+    folder = Path(ns.dir)
+    saved, study = _load_study_dir(folder)
+    weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
+    policy = "trial" if ns.trial is not None else ns.policy
+    chosen = ex.select_trial(study, policy, trial_number=ns.trial, weights=weights)
+    baseline = next(
+        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
+    )
+    args = json.loads(chosen.user_attrs["engine_args"])
+    console.print(
+        f"policy {policy}: trial {chosen.number} "
+        f"changes {ex.changed_args(chosen, baseline) or 'nothing'} vs the baseline"
+    )
+    names = list(study.metric_names or [])
+    if ns.no_validate:
+        gain = "values measured once during the study, not re-validated: " + ", ".join(
+            f"{n} {v:,.1f}" for n, v in zip(names, chosen.values or [], strict=False)
+        )
+    else:
+        if baseline is None:
+            raise ConfigError("the study has no baseline trial to validate against")
+        job, base = load_job(saved["job"], base=folder)
+        plan = prepare(job, base)
+        runner = _make_runner(ns.runner, plan, None)
+        out = plan.out / "validation" / f"trial-{chosen.number}-{int(time.time())}"
+
+        def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
+            return TrialSpec(
+                number=chosen.number,
+                engine=EngineConfig(plan.engine.model, engine_args, dict(plan.engine.env)),
+                trace=plan.trace,
+                workdir=str(out / f"{label}-{k}"),
+                token_range=plan.token_range,
+                seed=900_000 + 2 * k + (label == "chosen"),
+                warmup_requests=job.trace.warmup_requests,
+                max_duration_s=job.trace.max_duration_s,
+                slos=tuple(str(x) for x in plan.objectives.slos),
+                startup_timeout_s=job.engine.startup_timeout_s,
+                python=job.engine.python,
+                max_send_lag_ms=job.trace.max_send_lag_ms,
+            )
+
+        def run(spec: TrialSpec) -> Any:
+            return runner.submit(spec, 0 if plan.context.cpu_build else 1).future.result()
+
+        try:
+            val = ex.validate_choice(
+                run,
+                make_spec,
+                args,
+                json.loads(baseline.user_attrs["engine_args"]),
+                metrics=names,
+                directions=list(study.directions),
+                values=plan.objectives.values,
+                feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
+                runs=ns.runs,
+                progress=lambda line: console.print(f"[dim]{line}[/]"),
+            )
+        finally:
+            runner.close()
+        table = Table(title=f"re-validation: {ns.runs} runs each, medians and ranges")
+        for col in ("objective", "baseline", "chosen", "gain (range)"):
+            table.add_column(col, justify="right")
+        for row in val.table():
+            b_lo, b_hi = row["baseline_range"]
+            c_lo, c_hi = row["chosen_range"]
+            g_lo, g_hi = row["gain_range_pct"]
+            table.add_row(
+                row["metric"],
+                f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
+                f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
+                f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
+            )
+        console.print(table)
+        primary = [_PRIMARY[policy]] if policy in _PRIMARY and _PRIMARY[policy] in names else names
+        noisy = [m for m in primary if val.within_noise(m)]
+        problems = []
+        if noisy:
+            problems.append(f"the gain on {', '.join(noisy)} is within the noise of the re-runs")
+        if val.slo_failures:
+            problems.append("SLOs failed on re-run: " + "; ".join(val.slo_failures))
+        if problems and not ns.force:
+            err_console.print(
+                "[bold red]refusing to export:[/] "
+                + "; ".join(problems)
+                + " (use --force to export anyway)"
+            )
+            return 4
+        gain = (
+            "; ".join(
+                "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
+                    r["metric"], r["gain_pct"], *r["gain_range_pct"]
+                )
+                for r in val.table()
+            )
+            + f" vs baseline, {ns.runs} re-runs each"
+            + (" [FORCED: " + "; ".join(problems) + "]" if problems else "")
+        )
+    env = {
+        k: v
+        for k, v in saved["job"]["engine"].get("env", {}).items()
+        if not any(w in k.upper() for w in _SECRET_WORDS)
+    }
+    ctx = ex.ExportContext(
+        study=saved["study"],
+        trial=chosen.number,
+        model=saved["job"]["model"]["path"],
+        args=args,
+        vllm=saved.get("vllm", "?"),
+        hardware=saved.get("hardware", "?"),
+        trace=saved.get("trace", "?"),
+        gain=gain,
+        gpus=int(args.get("tensor-parallel-size", 1) or 1)
+        * int(args.get("pipeline-parallel-size", 1) or 1),
+        env=env,
+    )
+    unknown: list[str] = []
+    if ns.format == "ray-serve":
+        unknown = _ray_llm_unknown_flags(list(ctx.deploy_args()))
+    text = ex.render(ns.format, ctx, unknown_flags=unknown)
+    path = ex.write_export(
+        text, Path(ns.out) if ns.out else folder / "export" / ex.default_filename(ns.format)
+    )
+    # Finished trials are immutable in Optuna: the export is recorded on the study.
+    exports = list(study.user_attrs.get("exports", []))
+    exports.append(
+        {
+            "trial": chosen.number,
+            "format": ns.format,
+            "policy": policy,
+            "path": str(path),
+            "gain": gain,
+        }
+    )
+    study.set_user_attr("exports", exports)
+    console.print(f"wrote {path}")
     return 0
+
+
+def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
+    """Flags that cannot be confirmed for the vLLM version ``ray[llm]`` pins."""
+    import importlib.metadata as md
+    import re
+
+    from optimizer.vllm_flags import accepted_flags, installed_vllm
+
+    try:
+        reqs = md.requires("ray") or []
+    except md.PackageNotFoundError:
+        return flags
+    pin = next(
+        (
+            m.group(1)
+            for r in reqs
+            if (m := re.match(r"vllm(?:\[[^]]*\])?==([\w.]+).*extra == .llm.", r))
+        ),
+        None,
+    )
+    try:
+        inst = installed_vllm()
+    except ConfigError:
+        return flags
+    if pin is None or inst.version != pin:
+        console.print(
+            f"[yellow]ray[llm] pins vLLM {pin}; installed is {inst.version}: "
+            "tuned flags are marked unverified in the export[/]"
+        )
+        return flags
+    known = accepted_flags(inst)
+    return [f for f in flags if f not in known]
 
 
 # --- wiring -----------------------------------------------------------------------------------
@@ -672,6 +864,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.set_defaults(func=cmd_tune)
+
+    from optimizer.export import FORMATS, POLICIES
+
+    p = sub.add_parser("export", help="pick, re-validate and export a configuration for deployment")
+    p.add_argument("dir", help="study folder")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument(
+        "--policy", default="max-throughput", choices=[x for x in POLICIES if x != "trial"]
+    )
+    p.add_argument("--trial", type=int, default=None, help="export this trial (overrides --policy)")
+    p.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="OBJECTIVE=W",
+        help="weighted policy: e.g. output_throughput=2 (repeatable)",
+    )
+    p.add_argument("--out", default=None, help="output file (default: DIR/export/...)")
+    p.add_argument("--no-validate", action="store_true", help="skip the re-validation runs")
+    p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
+    p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
+    p.add_argument("--runner", default="ray", choices=["ray", "local"])
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
     p.add_argument("dir")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import os
 import socket
 import time
 import warnings
@@ -305,6 +306,13 @@ def _sampler(job: JobConfig) -> optuna.samplers.BaseSampler:
         constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
+
+
+def _hardware(cpu_build: bool) -> str:
+    n, mem, name = _gpu_facts()
+    if cpu_build or n == 0:
+        return f"CPU ({os.cpu_count()} cores)"
+    return f"{n}x {name} ({mem:.0f} GiB)"
 
 
 def is_baseline(trial: FrozenTrial) -> bool:
@@ -668,6 +676,8 @@ class StudyDriver:
             "objectives": [f"{o.direction}:{o.metric}" for o in self.plan.objectives.objectives],
             "slos": [str(s) for s in self.plan.objectives.slos],
             "driver": _driver_identity(),
+            "hardware": _hardware(self.plan.context.cpu_build),
+            "job": {**self.plan.job.model_dump(mode="json"), "out": str(self.plan.out)},
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

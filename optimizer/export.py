@@ -1,0 +1,530 @@
+"""Export a validated winner: pick from the Pareto front, re-measure, write deployment files.
+
+A "best" configuration measured once is often not the best once deployed (noise, arrival
+order), so export is three steps:
+
+1. **Select** a trial from the feasible Pareto front by an explicit policy (``max-throughput``
+   subject to the study's SLOs by default, ``min-ttft``, ``min-tpot``, ``knee``, ``weighted``,
+   or an explicit trial number); ties go to the configuration that changes fewer defaults.
+2. **Re-validate** (on by default): the chosen configuration and the baseline run again N times,
+   alternating, with fresh prompts on the same hardware; the median and spread of each objective
+   and the gain over the baseline with its range are reported, and export is refused when the
+   gain is within the noise or an SLO fails on a re-run (unless forced).
+3. **Render** for the target: ``vllm-config`` (YAML for ``vllm serve --config``, kebab-case keys,
+   DESIGN.md §7.4), ``vllm-cli``, ``kubernetes`` (Deployment + Service), ``helm`` (values of
+   vLLM's production-stack chart) or ``ray-serve`` (a Serve config for ``ray.serve.llm``). Every
+   file opens with a header: study, trial, vLLM version and hardware, trace, measured gain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.errors import ConfigError
+from optimizer.types import TrialResult, TrialSpec, TrialStatus
+
+__all__ = [
+    "FORMATS",
+    "POLICIES",
+    "ExportContext",
+    "Validation",
+    "changed_args",
+    "render",
+    "select_trial",
+    "validate_choice",
+]
+
+POLICIES = ("max-throughput", "min-ttft", "min-tpot", "knee", "weighted", "trial")
+FORMATS = ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve")
+
+# Flags that describe where a server runs, not how it serves: never exported.
+_LOCAL_ONLY = frozenset({"load-format", "host", "port", "kv-cache-memory-bytes"})
+
+
+def _args(trial: FrozenTrial) -> dict[str, Any]:
+    raw = trial.user_attrs.get("engine_args")
+    return dict(json.loads(raw)) if isinstance(raw, str) else {}
+
+
+def _feasible(trial: FrozenTrial) -> bool:
+    return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
+
+
+def changed_args(trial: FrozenTrial, baseline: FrozenTrial | None) -> dict[str, Any]:
+    """Engine arguments of ``trial`` that differ from the baseline's."""
+    base = _args(baseline) if baseline else {}
+    return {k: v for k, v in _args(trial).items() if base.get(k) != v}
+
+
+def _metric_index(study: optuna.Study, metric: str) -> int:
+    names = list(study.metric_names or [])
+    if metric not in names:
+        raise ConfigError(
+            f"this study has no objective {metric!r} (objectives: {', '.join(names) or 'unnamed'})"
+        )
+    return names.index(metric)
+
+
+def _knee(front: list[FrozenTrial], directions: Sequence[StudyDirection]) -> FrozenTrial:
+    """The front point closest to the ideal point after min-max normalization."""
+    values = [[float(v) for v in (t.values or ())] for t in front]
+    normalized = []
+    for j, d in enumerate(directions):
+        col = [v[j] for v in values]
+        lo, hi = min(col), max(col)
+        span = (hi - lo) or 1.0
+        # 0 = best, 1 = worst, whatever the direction.
+        normalized.append(
+            [((c - lo) / span) if d == StudyDirection.MINIMIZE else ((hi - c) / span) for c in col]
+        )
+    dist = [
+        math.sqrt(sum(normalized[j][i] ** 2 for j in range(len(directions))))
+        for i in range(len(front))
+    ]
+    return front[dist.index(min(dist))]
+
+
+def select_trial(
+    study: optuna.Study,
+    policy: str = "max-throughput",
+    *,
+    trial_number: int | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> FrozenTrial:
+    """Pick the configuration to export.
+
+    Args:
+        study: The study.
+        policy: One of :data:`POLICIES`.
+        trial_number: With ``trial``: the trial to export.
+        weights: With ``weighted``: objective name -> weight; the score is the weighted sum of
+            objectives normalized over the front (higher is better).
+
+    Raises:
+        ConfigError: Unknown policy, no feasible trial, or an unusable trial number.
+    """
+    trials = study.get_trials(deepcopy=False)
+    baseline = next((t for t in trials if t.user_attrs.get("baseline") and _feasible(t)), None)
+    if policy == "trial":
+        if trial_number is None or not 0 <= trial_number < len(trials):
+            raise ConfigError(f"--trial {trial_number}: no such trial (0..{len(trials) - 1})")
+        chosen = trials[trial_number]
+        if chosen.state != TrialState.COMPLETE or chosen.user_attrs.get("status") != "complete":
+            raise ConfigError(
+                f"trial {trial_number} did not complete a measurement: nothing to export"
+            )
+        return chosen
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
+    front = [t for t in study.best_trials if _feasible(t)]
+    if not front:
+        raise ConfigError(
+            "no trial meets every SLO: nothing to export (relax the SLOs or tune longer)"
+        )
+
+    def fewer_changes(t: FrozenTrial) -> int:
+        return len(changed_args(t, baseline))
+
+    def best_by(metric: str, maximize: bool) -> FrozenTrial:
+        i = _metric_index(study, metric)
+        sign = -1.0 if maximize else 1.0
+        return min(
+            front, key=lambda t: (sign * float((t.values or [])[i]), fewer_changes(t), t.number)
+        )
+
+    if policy == "max-throughput":
+        return best_by("output_throughput", maximize=True)
+    if policy == "min-ttft":
+        return best_by("p95_ttft_ms", maximize=False)
+    if policy == "min-tpot":
+        return best_by("p95_tpot_ms", maximize=False)
+    if policy == "knee":
+        return _knee(sorted(front, key=lambda t: (fewer_changes(t), t.number)), study.directions)
+    if not weights:
+        raise ConfigError("the weighted policy needs weights, e.g. --weight output_throughput=2")
+    names = list(study.metric_names or [])
+    unknown = [k for k in weights if k not in names]
+    if unknown:
+        raise ConfigError(
+            f"weights for unknown objectives {unknown}; objectives: {', '.join(names)}"
+        )
+
+    def score(t: FrozenTrial) -> float:
+        total = 0.0
+        for j, (name, d) in enumerate(zip(names, study.directions, strict=True)):
+            col = [float((f.values or [])[j]) for f in front]
+            lo, hi = min(col), max(col)
+            x = (float((t.values or [])[j]) - lo) / ((hi - lo) or 1.0)
+            total += weights.get(name, 0.0) * (1.0 - x if d == StudyDirection.MINIMIZE else x)
+        return total
+
+    return max(front, key=lambda t: (score(t), -fewer_changes(t), -t.number))
+
+
+# --- re-validation ----------------------------------------------------------------------------
+
+
+@dataclass
+class Validation:
+    """Re-measurements of the chosen configuration and the baseline.
+
+    Attributes:
+        metrics: Objective names.
+        directions: Their directions.
+        chosen: Per objective, the values of the chosen configuration's runs.
+        baseline: Per objective, the baseline's values.
+        slo_failures: Runs of the chosen configuration that missed an SLO (or failed).
+    """
+
+    metrics: list[str]
+    directions: list[StudyDirection]
+    chosen: dict[str, list[float]] = field(default_factory=dict)
+    baseline: dict[str, list[float]] = field(default_factory=dict)
+    slo_failures: list[str] = field(default_factory=list)
+
+    def gain_pct(self, metric: str) -> tuple[float, float, float]:
+        """Median gain over the baseline and its range (worst, best), in percent."""
+        d = self.directions[self.metrics.index(metric)]
+        sign = -1.0 if d == StudyDirection.MINIMIZE else 1.0
+        base = statistics.median(self.baseline[metric])
+        if base == 0:
+            return (math.nan, math.nan, math.nan)
+
+        def g(v: float, b: float) -> float:
+            return sign * (v - b) / abs(b) * 100.0
+
+        med = g(statistics.median(self.chosen[metric]), base)
+        # The range pits the chosen's worst run against the baseline's best, and vice versa.
+        worst_c = max(self.chosen[metric]) if sign < 0 else min(self.chosen[metric])
+        best_c = min(self.chosen[metric]) if sign < 0 else max(self.chosen[metric])
+        worst_b = max(self.baseline[metric]) if sign < 0 else min(self.baseline[metric])
+        best_b = min(self.baseline[metric]) if sign < 0 else max(self.baseline[metric])
+        return med, g(worst_c, best_b), g(best_c, worst_b)
+
+    def within_noise(self, metric: str) -> bool:
+        """True when the gain's range includes zero: the re-runs do not separate the two."""
+        _med, low, _high = self.gain_pct(metric)
+        return not low > 0
+
+    def table(self) -> list[dict[str, Any]]:
+        """Rows for display: medians, spreads and gains."""
+        rows = []
+        for m in self.metrics:
+            med, low, high = self.gain_pct(m)
+            rows.append(
+                {
+                    "metric": m,
+                    "baseline_median": statistics.median(self.baseline[m]),
+                    "baseline_range": [min(self.baseline[m]), max(self.baseline[m])],
+                    "chosen_median": statistics.median(self.chosen[m]),
+                    "chosen_range": [min(self.chosen[m]), max(self.chosen[m])],
+                    "gain_pct": med,
+                    "gain_range_pct": [low, high],
+                }
+            )
+        return rows
+
+
+def validate_choice(
+    run: Callable[[TrialSpec], TrialResult],
+    make_spec: Callable[[str, dict[str, Any], int], TrialSpec],
+    chosen_args: dict[str, Any],
+    baseline_args: dict[str, Any],
+    *,
+    metrics: list[str],
+    directions: list[StudyDirection],
+    values: Callable[[Mapping[str, float]], list[float]],
+    feasible: Callable[[Mapping[str, float]], bool],
+    runs: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> Validation:
+    """Re-run the chosen configuration and the baseline ``runs`` times each, alternating.
+
+    Args:
+        run: Runs one trial spec to completion (a runner's submit + wait, or run_trial).
+        make_spec: (label, engine args, run index) -> spec with a fresh seed.
+        chosen_args: The chosen configuration.
+        baseline_args: The baseline configuration.
+        metrics: Objective names.
+        directions: Their directions.
+        values: Summary -> objective values.
+        feasible: Summary -> all SLOs met.
+        runs: Re-runs of each.
+        progress: Called with a line per finished run.
+    """
+    val = Validation(
+        metrics=metrics,
+        directions=directions,
+        chosen={m: [] for m in metrics},
+        baseline={m: [] for m in metrics},
+    )
+    for k in range(runs):
+        # Alternate so slow drift of the machine hits both alike.
+        for label, args, bucket in (
+            ("baseline", baseline_args, val.baseline),
+            ("chosen", chosen_args, val.chosen),
+        ):
+            result = run(make_spec(label, args, k))
+            ok = result.status is TrialStatus.COMPLETE
+            if ok:
+                for m, v in zip(metrics, values(result.summary), strict=True):
+                    bucket[m].append(v)
+            if label == "chosen" and (not ok or not feasible(result.summary)):
+                val.slo_failures.append(
+                    f"run {k + 1}: {result.status.value}"
+                    + (f" ({result.failure_class.value})" if result.failure_class else "")
+                    + ("" if not ok else ": an SLO was missed")
+                )
+            if progress:
+                progress(f"{label} run {k + 1}/{runs}: {result.status.value}")
+    missing = [m for m in metrics if not val.chosen[m] or not val.baseline[m]]
+    if missing:
+        raise ConfigError(f"re-validation measured nothing for {missing}: see the trial logs")
+    return val
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What every export says about where its numbers come from.
+
+    Attributes:
+        study: Study name.
+        trial: Trial number.
+        model: Model path or name.
+        args: Engine arguments to deploy (flag names).
+        vllm: vLLM distribution and version tuned on.
+        hardware: GPU (or CPU) it was tuned on.
+        trace: The trace and shaping.
+        gain: One line: the measured gain and its range.
+        gpus: GPUs one server needs.
+        env: Environment to carry into the deployment (secrets excluded).
+    """
+
+    study: str
+    trial: int
+    model: str
+    args: dict[str, Any]
+    vllm: str
+    hardware: str
+    trace: str
+    gain: str
+    gpus: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+    def header(self, comment: str = "#") -> str:
+        lines = [
+            f"Exported by vllm-autotune from study '{self.study}', trial {self.trial}.",
+            f"Tuned on: {self.vllm}; hardware: {self.hardware}.",
+            f"Trace: {self.trace}",
+            f"Measured: {self.gain}",
+        ]
+        return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
+
+    def deploy_args(self) -> dict[str, Any]:
+        return {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
+
+
+def _cli_words(args: Mapping[str, Any]) -> list[str]:
+    words: list[str] = []
+    for name, value in args.items():
+        if value is True:
+            words.append(f"--{name}")
+        elif value is False:
+            words.append(f"--no-{name}")
+        elif isinstance(value, dict):
+            words += [f"--{name}", json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, list | tuple):
+            words += [f"--{name}", *(str(v) for v in value)]
+        else:
+            words += [f"--{name}", str(value)]
+    return words
+
+
+def _vllm_config(ctx: ExportContext) -> str:
+    # kebab-case keys: `vllm serve --config` drops a snake_case `false` (DESIGN.md §7.4).
+    body = {"model": ctx.model, **ctx.deploy_args()}
+    return ctx.header() + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
+
+
+def _vllm_cli(ctx: ExportContext) -> str:
+    words = ["vllm", "serve", ctx.model, *_cli_words(ctx.deploy_args())]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in ctx.env.items())
+    return ctx.header() + (env + " " if env else "") + shlex.join(words) + "\n"
+
+
+def _name(ctx: ExportContext) -> str:
+    return "".join(c if c.isalnum() else "-" for c in f"vllm-{ctx.study}".lower()).strip("-")[:50]
+
+
+def _kubernetes(ctx: ExportContext) -> str:
+    name = _name(ctx)
+    resources = {"limits": {"nvidia.com/gpu": ctx.gpus}, "requests": {"nvidia.com/gpu": ctx.gpus}}
+    container = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:latest",
+        "args": ["--model", ctx.model, *_cli_words(ctx.deploy_args())],
+        "ports": [{"containerPort": 8000, "name": "http"}],
+        "env": [{"name": k, "value": v} for k, v in ctx.env.items()],
+        "resources": resources,
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": 8000},
+            "initialDelaySeconds": 60,
+            "periodSeconds": 10,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": 8000},
+            "initialDelaySeconds": 600,
+            "periodSeconds": 30,
+        },
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name},
+        "spec": {"selector": {"app": name}, "ports": [{"port": 8000, "targetPort": "http"}]},
+    }
+    return ctx.header() + yaml.safe_dump_all([deployment, service], sort_keys=False)
+
+
+# Fields of the production-stack chart's servingEngineSpec.modelSpec[].vllmConfig.
+_HELM_KNOWN = {
+    "max-model-len": "maxModelLen",
+    "tensor-parallel-size": "tensorParallelSize",
+    "gpu-memory-utilization": "gpuMemoryUtilization",
+    "dtype": "dtype",
+    "enable-chunked-prefill": "enableChunkedPrefill",
+    "enable-prefix-caching": "enablePrefixCaching",
+    "max-num-seqs": "maxNumSeqs",
+}
+
+
+def _helm(ctx: ExportContext) -> str:
+    args = ctx.deploy_args()
+    vllm_config: dict[str, Any] = {}
+    extra: list[str] = []
+    for k, v in args.items():
+        if k in _HELM_KNOWN:
+            vllm_config[_HELM_KNOWN[k]] = v
+        else:
+            extra += _cli_words({k: v})
+    if extra:
+        vllm_config["extraArgs"] = extra
+    values = {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {
+                    "name": _name(ctx),
+                    "repository": "vllm/vllm-openai",
+                    "tag": "latest",
+                    "modelURL": ctx.model,
+                    "replicaCount": 1,
+                    "requestGPU": ctx.gpus,
+                    "vllmConfig": vllm_config,
+                    "env": [{"name": k, "value": v} for k, v in ctx.env.items()],
+                }
+            ]
+        }
+    }
+    return ctx.header() + yaml.safe_dump(values, sort_keys=False)
+
+
+def _accelerator_type(hardware: str) -> str | None:
+    """Ray's accelerator type from e.g. "1x NVIDIA H200 (140 GiB)" -> "H200"."""
+    m = re.search(r"NVIDIA\s+([A-Za-z]+\d+[A-Za-z]*)", hardware)
+    return m.group(1) if m else None
+
+
+def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
+    kwargs = {}
+    for k, v in ctx.deploy_args().items():
+        # engine_kwargs are EngineArgs fields: snake_case; the model is model_loading_config's.
+        kwargs[k.replace("-", "_")] = v
+    llm_config = {
+        "model_loading_config": {"model_id": _name(ctx), "model_source": ctx.model},
+        "accelerator_type": _accelerator_type(ctx.hardware) if ctx.gpus else None,
+        "engine_kwargs": kwargs,
+        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        "runtime_env": {"env_vars": dict(ctx.env)} if ctx.env else None,
+    }
+    llm_config = {k: v for k, v in llm_config.items() if v is not None}
+    app = {
+        "applications": [
+            {
+                "name": _name(ctx),
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "args": {"llm_configs": [llm_config]},
+            }
+        ]
+    }
+    warn = "".join(
+        f"# WARNING: --{f} is not known to the vLLM that ray[llm] pins; check it.\n"
+        for f in unknown_flags
+    )
+    return ctx.header() + warn + yaml.safe_dump(app, sort_keys=False)
+
+
+def render(fmt: str, ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
+    """The export file's text for ``fmt`` (one of :data:`FORMATS`).
+
+    Raises:
+        ConfigError: Unknown format.
+    """
+    if fmt == "vllm-config":
+        return _vllm_config(ctx)
+    if fmt == "vllm-cli":
+        return _vllm_cli(ctx)
+    if fmt == "kubernetes":
+        return _kubernetes(ctx)
+    if fmt == "helm":
+        return _helm(ctx)
+    if fmt == "ray-serve":
+        return _ray_serve(ctx, unknown_flags=unknown_flags)
+    raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+
+
+def default_filename(fmt: str) -> str:
+    """File name an export gets when ``--out`` is not given."""
+    return {
+        "vllm-config": "vllm-config.yaml",
+        "vllm-cli": "vllm-serve.sh",
+        "kubernetes": "kubernetes.yaml",
+        "helm": "helm-values.yaml",
+        "ray-serve": "ray-serve.yaml",
+    }[fmt]
+
+
+def write_export(text: str, path: Path) -> Path:
+    """Write an export file (parents created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

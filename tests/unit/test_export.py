@@ -1,0 +1,226 @@
+"""Export: selection policies on a study made with a FAKE runner, re-validation logic with a
+FAKE run function, and every renderer's output parsed back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+from optuna.study import StudyDirection
+
+from optimizer import export as ex
+from optimizer.errors import ConfigError
+from optimizer.types import EngineConfig, Trace, TraceRequest, TrialResult, TrialSpec, TrialStatus
+from tests.unit.test_study_loop import FakeRunner, _driver
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("export")
+    _driver(tmp, FakeRunner(), trials=12, sampler={"name": "random", "seed": 7}).run()
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def study(study_dir: Path) -> optuna.Study:
+    return optuna.load_study(study_name="fake", storage=f"sqlite:///{study_dir / 'study.db'}")
+
+
+def _front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.best_trials if all(v <= 0 for v in t.constraints.values())]
+
+
+def test_policies_pick_the_best_feasible_trial_by_their_objective(study: optuna.Study) -> None:
+    front = _front(study)
+    assert len(front) >= 2
+    names = list(study.metric_names)
+    thr = ex.select_trial(study, "max-throughput")
+    assert thr in front
+    assert thr.values[names.index("output_throughput")] == max(
+        t.values[names.index("output_throughput")] for t in front
+    )
+    ttft = ex.select_trial(study, "min-ttft")
+    assert ttft.values[0] == min(t.values[0] for t in front)
+    tpot = ex.select_trial(study, "min-tpot")
+    assert tpot.values[1] == min(t.values[1] for t in front)
+    assert ex.select_trial(study, "knee") in front
+    # Weighted entirely on TPOT equals min-tpot.
+    assert (
+        ex.select_trial(study, "weighted", weights={"p95_tpot_ms": 1.0}).values[1] == tpot.values[1]
+    )
+    assert ex.select_trial(study, "trial", trial_number=0).number == 0
+
+
+def test_bad_policy_inputs_say_what_to_fix(study: optuna.Study) -> None:
+    with pytest.raises(ConfigError, match="choose one of"):
+        ex.select_trial(study, "fastest")
+    with pytest.raises(ConfigError, match="weights"):
+        ex.select_trial(study, "weighted")
+    with pytest.raises(ConfigError, match="unknown objectives"):
+        ex.select_trial(study, "weighted", weights={"goodness": 1.0})
+    with pytest.raises(ConfigError, match="no such trial"):
+        ex.select_trial(study, "trial", trial_number=999)
+
+
+def test_ties_go_to_fewer_changed_defaults(tmp_path: Path) -> None:
+    class TieRunner(FakeRunner):
+        def submit(self, spec: TrialSpec, gpus: int) -> Any:
+            handle = super().submit(spec, gpus)
+            flat = {
+                "p95_ttft_ms": 100.0,
+                "p95_tpot_ms": 10.0,
+                "output_throughput": 50.0,
+                "error_rate": 0.0,
+                "completed": 10,
+            }
+            handle.future = type(handle.future)()
+            handle.future.set_result(
+                TrialResult(number=spec.number, status=TrialStatus.COMPLETE, summary=flat)
+            )
+            return handle
+
+    study = _driver(tmp_path, TieRunner(), trials=4, sampler={"name": "random", "seed": 1}).run()
+    chosen = ex.select_trial(study, "max-throughput")
+    base = study.trials[0]
+    assert chosen.number == 0 and ex.changed_args(chosen, base) == {}
+
+
+def _ctx(**args: Any) -> ex.ExportContext:
+    return ex.ExportContext(
+        study="demo",
+        trial=7,
+        model="/models/llama8b",
+        args={
+            "load-format": "dummy",
+            "max-num-seqs": 48,
+            "enable-prefix-caching": False,
+            "enable-chunked-prefill": True,
+            "max-num-batched-tokens": 4096,
+            "speculative-config": {"method": "ngram", "num_speculative_tokens": 3},
+            **args,
+        },
+        vllm="vllm 0.26.0",
+        hardware="1x NVIDIA H200 (140 GiB)",
+        trace="azure code, 10 min",
+        gain="output_throughput +23.0% (+18.0%..+27.0%)",
+        gpus=1,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_vllm_config_is_kebab_case_keeps_false_and_drops_local_flags() -> None:
+    text = ex.render("vllm-config", _ctx())
+    assert text.startswith("# Exported by vllm-autotune from study 'demo', trial 7.")
+    assert "# Measured: output_throughput +23.0%" in text
+    body = yaml.safe_load(text)
+    assert body["model"] == "/models/llama8b"
+    assert body["enable-prefix-caching"] is False  # kebab-case: not silently dropped
+    assert body["max-num-seqs"] == 48
+    assert "load-format" not in body
+    assert all("_" not in k for k in body)
+
+
+def test_cli_and_kubernetes_and_helm_and_ray_serve() -> None:
+    cli = ex.render("vllm-cli", _ctx())
+    assert "vllm serve /models/llama8b" in cli and "--no-enable-prefix-caching" in cli
+    assert '--speculative-config \'{"method":"ngram","num_speculative_tokens":3}\'' in cli
+
+    dep, svc = list(yaml.safe_load_all(ex.render("kubernetes", _ctx())))
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert dep["kind"] == "Deployment" and svc["kind"] == "Service"
+    assert container["image"].startswith("vllm/vllm-openai")
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "--no-enable-prefix-caching" in container["args"]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+    helm = yaml.safe_load(ex.render("helm", _ctx()))
+    spec = helm["servingEngineSpec"]["modelSpec"][0]
+    assert spec["vllmConfig"]["maxNumSeqs"] == 48
+    assert spec["vllmConfig"]["enablePrefixCaching"] is False
+    assert "--max-num-batched-tokens" in spec["vllmConfig"]["extraArgs"]
+
+    text = ex.render("ray-serve", _ctx(), unknown_flags=["speculative-config"])
+    assert "# WARNING: --speculative-config is not known" in text
+    app = yaml.safe_load(text)["applications"][0]
+    llm = app["args"]["llm_configs"][0]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    assert llm["model_loading_config"]["model_source"] == "/models/llama8b"
+    kwargs = llm["engine_kwargs"]
+    assert "model" not in kwargs and kwargs["enable_prefix_caching"] is False
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert all("-" not in k for k in kwargs)
+    assert llm["accelerator_type"] == "H200"
+
+
+def _fake_validation(
+    chosen_tput: list[float], base_tput: list[float], feasible: bool = True
+) -> ex.Validation:
+    seq = {"baseline": iter(base_tput), "chosen": iter(chosen_tput)}
+
+    def make_spec(label: str, args: dict[str, Any], k: int) -> TrialSpec:
+        return TrialSpec(
+            number=k,
+            engine=EngineConfig("m", {"label": label}),
+            trace=Trace((TraceRequest(0.0, 1, 1),)),
+            workdir="w",
+            token_range=(0, 1),
+        )
+
+    def run(spec: TrialSpec) -> TrialResult:
+        label = spec.engine.args["label"]
+        return TrialResult(
+            number=0,
+            status=TrialStatus.COMPLETE,
+            summary={"output_throughput": next(seq[label]), "ok": 1.0 if feasible else 0.0},
+        )
+
+    return ex.validate_choice(
+        run,
+        make_spec,
+        {},
+        {},
+        metrics=["output_throughput"],
+        directions=[StudyDirection.MAXIMIZE],
+        values=lambda s: [s["output_throughput"]],
+        feasible=lambda s: s["ok"] > 0,
+        runs=len(chosen_tput),
+    )
+
+
+def test_validation_reports_gain_with_range_and_detects_noise() -> None:
+    clear = _fake_validation([120, 125, 130], [100, 101, 99])
+    med, low, high = clear.gain_pct("output_throughput")
+    assert med == pytest.approx(25.0)
+    assert low == pytest.approx((120 - 101) / 101 * 100)
+    assert high == pytest.approx((130 - 99) / 99 * 100)
+    assert not clear.within_noise("output_throughput") and not clear.slo_failures
+
+    noisy = _fake_validation([101, 99, 104], [100, 103, 98])
+    assert noisy.within_noise("output_throughput")
+
+    failing = _fake_validation([120, 125, 130], [100, 101, 99], feasible=False)
+    assert len(failing.slo_failures) == 3
+
+
+def test_export_cli_writes_file_with_header(
+    study: optuna.Study, study_dir: Path, tmp_path: Path
+) -> None:
+    from optimizer.cli import main
+
+    out = tmp_path / "v.yaml"
+    rc = main(
+        ["export", str(study_dir), "--format", "vllm-config", "--no-validate", "--out", str(out)]
+    )
+    assert rc == 0
+    body = yaml.safe_load(out.read_text())
+    chosen = ex.select_trial(study, "max-throughput")
+    args = json.loads(chosen.user_attrs["engine_args"])
+    for k, v in args.items():
+        if k not in ("load-format",):
+            assert body[k] == v
+    assert "not re-validated" in out.read_text()
