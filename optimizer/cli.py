@@ -22,8 +22,10 @@ from optimizer.errors import AutotuneError, ConfigError, EngineError
 
 __all__ = ["main"]
 
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+# Logs and CI capture output without a terminal; rich would squeeze tables to 80 columns.
+_WIDTH = None if sys.stdout.isatty() else 150
+console = Console(stderr=False, width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
@@ -894,8 +896,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Keep library chatter (experimental-feature notices, per-trial INFO lines) off the screen."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*is an experimental feature")
+    warnings.filterwarnings("ignore", message=r".*is experimental \(supported from")
+    logging.getLogger("optuna").setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vllm-autotune`` console script."""
+    _quiet_libraries()
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

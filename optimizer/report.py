@@ -120,7 +120,7 @@ def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs ba
     for name, d in zip(names, study.directions, strict=True):
         arrow = "↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑"
         table.add_column(f"{name} {arrow}", justify="right")
-    table.add_column("changed vs baseline")
+    table.add_column("changed vs baseline", overflow="fold")
     for row in front_rows(study):
         cells = []
         for v, g in zip(row.values, row.gains_pct, strict=True):
@@ -185,7 +185,7 @@ def status_table(study: optuna.Study) -> Table:
     for name in names:
         table.add_column(name, justify="right")
     table.add_column("SLOs")
-    table.add_column("engine args / failure")
+    table.add_column("engine args / failure", overflow="fold")
     for t in study.get_trials(deepcopy=False):
         status = str(t.user_attrs.get("status", t.state.name.lower()))
         if t.user_attrs.get("baseline"):
