@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -470,6 +471,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         overrides["until"] = ns.until
     if ns.ray_address is not None:
         overrides["ray_address"] = ns.ray_address
+    storage = ns.storage or (None if job.storage else os.environ.get("VLLM_AUTOTUNE_STORAGE"))
+    if storage:
+        overrides["storage"] = storage
     if overrides:
         job, base = load_job({**job.model_dump(), **overrides}, base=base)
     with console.status("checking the job against the installed vLLM ..."):
@@ -858,6 +862,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, help="stop launching after e.g. 8h or 90m")
     p.add_argument("--until", default=None, help="stop launching at local time HH:MM")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage URL (default: the job's, else $VLLM_AUTOTUNE_STORAGE, "
+        "else SQLite in the study folder)",
+    )
     p.add_argument(
         "--runner",
         default="ray",

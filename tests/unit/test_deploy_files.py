@@ -1,0 +1,34 @@
+"""The deployment templates parse and say what they must (they are not applied to a cluster
+here: no Kubernetes in this environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_rayjob_runs_the_tuner_against_the_cluster_with_shared_storage() -> None:
+    job = yaml.safe_load((DEPLOY / "kuberay-rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob" and job["apiVersion"].startswith("ray.io/")
+    assert job["spec"]["entrypoint"].split()[:3] == ["vllm-autotune", "tune", "/jobs/job.yaml"]
+    assert "--ray-address auto" in job["spec"]["entrypoint"]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in head["env"]}
+    assert env["VLLM_AUTOTUNE_STORAGE"]["valueFrom"]["secretKeyRef"]["name"] == "autotune-db"
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+
+
+def test_ray_cluster_config_starts_head_and_workers() -> None:
+    cfg = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
+    assert any("--address" in c for c in cfg["worker_start_ray_commands"])
+
+
+def test_dockerfile_installs_the_tuner_on_a_vllm_base() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "FROM ${VLLM_IMAGE}" in text and "vllm/vllm-openai" in text
+    assert "pip install --no-cache-dir ." in text
