@@ -387,6 +387,7 @@ class StudyDriver:
             until = parse_until(job.until, now=self.started_at)
             self.deadline = min(self.deadline, until) if self.deadline else until
         self._stop_requested = False
+        self._cancelled = False
         self._running: dict[int, tuple[Any, optuna.trial.Trial, int]] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -418,6 +419,17 @@ class StudyDriver:
     def request_stop(self) -> None:
         """Stop launching trials; running ones finish."""
         self._stop_requested = True
+
+    def cancel(self) -> None:
+        """Stop launching and stop the running trials (their actors and servers).
+
+        Cancelled trials are failed in the storage with status ``cancelled``; what finished is
+        kept. Safe to call from another thread while :meth:`run` is looping.
+        """
+        self._stop_requested = True
+        self._cancelled = True
+        for handle, _trial, _attempt in list(self._running.values()):
+            self.runner.cancel(handle)
 
     def _may_launch(self) -> bool:
         if self._stop_requested:
