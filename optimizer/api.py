@@ -1,0 +1,398 @@
+"""The HTTP API of the tuner service, and its Ray Serve deployment (thin wiring).
+
+:func:`create_app` maps HTTP onto a :class:`~optimizer.jobs.JobService` (FastAPI; the OpenAPI
+document is at ``/openapi.json``); :func:`build_app` wraps it in a Ray Serve deployment whose
+single replica also runs the :class:`~optimizer.jobs.Scheduler` thread, and :func:`run_service`
+starts it on a cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
+the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
+(413 above it). Errors map to statuses in one place: an invalid job is 422 with the job file
+loader's message (the key's path and the fix), a file outside the allowed roots 403, an unknown
+id 404, a conflict with the study's state 409.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import UploadFile
+
+from optimizer.errors import ConfigError
+from optimizer.export import FORMATS, POLICIES
+from optimizer.jobs import (
+    JobService,
+    JobStore,
+    NotFound,
+    RayDriverLauncher,
+    Scheduler,
+    ServiceSettings,
+    Submission,
+    SubmissionRefused,
+    hash_token,
+    load_tokens,
+    parse_body,
+    parse_submission,
+    token_matches,
+)
+
+__all__ = [
+    "APP_NAME",
+    "build_app",
+    "create_app",
+    "run_service",
+    "settings_from_args",
+]
+
+APP_NAME = "vllm-autotune"
+TOKENS_ENV = "VLLM_AUTOTUNE_TOKENS"
+
+_bearer = HTTPBearer(auto_error=False, description="a token from the service's token list")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    body: dict[str, Any] = {"detail": detail}
+    if status == 422:
+        body["errors"] = [ln.strip() for ln in detail.splitlines()[1:] if ln.strip()]
+    return JSONResponse(status_code=status, content=body)
+
+
+def create_app(service: JobService) -> FastAPI:
+    """The FastAPI application over ``service``.
+
+    Args:
+        service: The job service (tests pass one with a fake launcher).
+    """
+    settings = service.settings
+    app = FastAPI(
+        title="vllm-autotune",
+        description="Submit, watch, cancel and export vLLM tuning studies.",
+        version="1",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    def auth(
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if creds is None or not token_matches(creds.credentials, settings.token_sha256):
+            raise HTTPException(
+                status_code=401,
+                detail="missing or wrong bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    authed = [Depends(auth)]
+
+    @app.exception_handler(ConfigError)
+    async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
+        return _error(422, str(exc))
+
+    @app.exception_handler(NotFound)
+    async def _missing(_r: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(SubmissionRefused)
+    async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.exception_handler(_TooLarge)
+    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
+        return _error(413, f"the request is larger than {settings.max_upload_bytes} bytes")
+
+    @app.get("/healthz", tags=["service"])
+    def healthz() -> dict[str, Any]:
+        """Liveness (no token needed)."""
+        return service.health()
+
+    @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    body_doc = {
+        "requestBody": {
+            "required": True,
+            "description": (
+                "A job (the job file's schema), or an envelope {job, not_before, until, "
+                "trace_upload: {filename, content_b64}}; JSON or YAML. Multipart: a `job` part "
+                "(JSON or YAML, either shape), an optional `trace` file part, optional "
+                "`not_before` / `until` fields."
+            ),
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "application/yaml": {"schema": {"type": "string"}},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "job": {"type": "string"},
+                            "trace": {"type": "string", "format": "binary"},
+                            "not_before": {"type": "string", "format": "date-time"},
+                            "until": {"type": "string", "format": "date-time"},
+                        },
+                        "required": ["job"],
+                    }
+                },
+            },
+        }
+    }
+
+    @app.post(
+        "/v1/studies",
+        dependencies=authed,
+        status_code=201,
+        tags=["studies"],
+        openapi_extra=body_doc,
+    )
+    async def submit(request: Request) -> dict[str, Any]:
+        """Queue a study; returns its id."""
+        body = await _read_body(request, settings.max_upload_bytes)
+        ctype = request.headers.get("content-type", "")
+        upload: tuple[str, bytes] | None = None
+        if ctype.startswith("multipart/form-data"):
+            request._body = body  # the form parser reads the buffered, size-checked body
+            form = await request.form(max_part_size=settings.max_upload_bytes)
+            part = form.get("job")
+            if part is None:
+                raise ConfigError("multipart submission: the `job` part is missing")
+            if isinstance(part, UploadFile):
+                raw, part_type = await part.read(), part.content_type or ""
+            else:
+                raw, part_type = part.encode(), ""
+            sub = parse_submission(parse_body(raw, part_type))
+            window: dict[str, Any] = {}
+            for key in ("not_before", "until"):
+                value = form.get(key)
+                if isinstance(value, str) and value:
+                    try:
+                        window[key] = datetime.fromisoformat(value)
+                    except ValueError as exc:
+                        raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
+            if window:
+                sub = sub.model_copy(update=window)
+            trace = form.get("trace")
+            if isinstance(trace, UploadFile):
+                upload = (trace.filename or "trace", await trace.read())
+        else:
+            sub = parse_submission(parse_body(body, ctype))
+        rec, notes = await run_in_threadpool(_submit, service, sub, upload)
+        return {**service.summary(rec), "notes": notes}
+
+    @app.get("/v1/studies", dependencies=authed, tags=["studies"])
+    def list_studies() -> list[dict[str, Any]]:
+        """Every study, in submission order."""
+        return service.list_summaries()
+
+    @app.get("/v1/studies/{study_id}", dependencies=authed, tags=["studies"])
+    def get_study(study_id: str) -> dict[str, Any]:
+        """Status, progress, budget left, trials, and the Pareto front beside the baseline."""
+        return service.detail(study_id)
+
+    @app.get("/v1/studies/{study_id}/trials/{number}", dependencies=authed, tags=["studies"])
+    def get_trial(study_id: str, number: int) -> dict[str, Any]:
+        """One trial: engine arguments, summary, memory account, constraints."""
+        return service.trial(study_id, number)
+
+    @app.post("/v1/studies/{study_id}/cancel", dependencies=authed, tags=["studies"])
+    def cancel(study_id: str) -> dict[str, Any]:
+        """Stop launching, stop the running trials (actors and servers), keep what finished."""
+        return service.cancel(study_id)
+
+    @app.post("/v1/studies/{study_id}/export", dependencies=authed, tags=["studies"])
+    def export(
+        study_id: str,
+        format: Annotated[Literal[FORMATS], Query()],  # type: ignore[valid-type]
+        policy: Annotated[
+            Literal[tuple(p for p in POLICIES if p != "trial")],  # type: ignore[valid-type]
+            Query(),
+        ] = "max-throughput",
+        trial: int | None = None,
+        weight: Annotated[list[str] | None, Query()] = None,
+        validate: bool = False,
+        runs: Annotated[int, Query(ge=1, le=10)] = 3,
+        force: bool = False,
+    ) -> Response:
+        """The chosen configuration as a download (re-validation only with validate=true)."""
+        weights: dict[str, float] = {}
+        for item in weight or []:
+            key, sep, value = item.partition("=")
+            try:
+                weights[key] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
+        result = service.export(
+            study_id,
+            format,
+            policy,
+            trial=trial,
+            weights=weights,
+            validate=validate,
+            runs=runs,
+            force=force,
+        )
+        media = "text/x-shellscript" if format == "vllm-cli" else "application/yaml"
+        return Response(
+            content=result.text,
+            media_type=media,
+            headers={
+                "Content-Disposition": f'attachment; filename="{study_id}-{result.filename}"',
+                "X-Autotune-Trial": str(result.trial),
+            },
+        )
+
+    return app
+
+
+def _submit(
+    service: JobService, sub: Submission, upload: tuple[str, bytes] | None
+) -> tuple[Any, list[str]]:
+    return service.submit(sub, upload=upload)
+
+
+# --- Ray Serve --------------------------------------------------------------------------------
+
+
+class _Ingress:
+    """The Serve replica: the job service, its scheduler thread, and the FastAPI app."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        store = JobStore(settings.database_url)
+        launcher = RayDriverLauncher(mlflow=settings.mlflow, cpus_per_trial=settings.cpus_per_trial)
+        concurrent = settings.max_concurrent
+        if concurrent is None:
+            gpus = launcher.cluster_gpus()
+            concurrent = 1 if gpus == 0 else gpus
+        self.scheduler = Scheduler(
+            store,
+            launcher,
+            max_concurrent=concurrent,
+            max_driver_starts=settings.max_driver_starts,
+        )
+        self.service = JobService(settings, store, self.scheduler)
+        self.scheduler.start(settings.poll_interval_s)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self.service)
+
+    def __del__(self) -> None:
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.stop()
+
+
+def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
+    """Settings from a Serve config's ``args`` (or the CLI's options).
+
+    Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``token_file``,
+    ``max_concurrent``, ``max_upload_mib``, ``study_storage``, ``poll_interval_s``, ``mlflow``.
+    Tokens come from ``token_file`` and the ``VLLM_AUTOTUNE_TOKENS`` environment variable of
+    the process that builds the application; only their digests are kept.
+
+    Raises:
+        ConfigError: No token configured, or an unknown key.
+    """
+    known = {
+        "database_url",
+        "data_dir",
+        "trace_roots",
+        "token_file",
+        "max_concurrent",
+        "max_upload_mib",
+        "study_storage",
+        "poll_interval_s",
+        "mlflow",
+    }
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ConfigError(f"unknown service settings {unknown}; valid: {', '.join(sorted(known))}")
+    data_dir = str(Path(args.get("data_dir") or "autotune-service").expanduser().resolve())
+    tokens = load_tokens(args.get("token_file"), os.environ.get(TOKENS_ENV))
+    if not tokens:
+        raise ConfigError(
+            f"no API tokens: give --token-file (one token a line) or set {TOKENS_ENV}"
+        )
+    roots = args.get("trace_roots") or []
+    if isinstance(roots, str):
+        roots = [roots]
+    return ServiceSettings(
+        database_url=args.get("database_url") or f"sqlite:///{data_dir}/service.db",
+        data_dir=data_dir,
+        trace_roots=tuple(str(Path(r).expanduser().resolve()) for r in roots),
+        token_sha256=tuple(sorted({hash_token(t) for t in tokens})),
+        max_concurrent=(
+            int(args["max_concurrent"]) if args.get("max_concurrent") is not None else None
+        ),
+        max_upload_bytes=int(float(args.get("max_upload_mib") or 32) * 1024**2),
+        study_storage=args.get("study_storage") or None,
+        poll_interval_s=float(args.get("poll_interval_s") or 2.0),
+        mlflow=bool(args.get("mlflow", True)),
+    )
+
+
+def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
+    """The Serve application (``import_path: optimizer.api:build_app`` in a Serve config).
+
+    One replica: it owns the scheduler. It asks for no CPU, so it never holds one a trial needs.
+    """
+    from ray import serve
+
+    settings = args if isinstance(args, ServiceSettings) else settings_from_args(args)
+    ingress = serve.ingress()(_Ingress)
+    deployment = serve.deployment(
+        name="autotune-api",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=64,
+        health_check_period_s=10,
+    )(ingress)
+    return deployment.bind(settings)
+
+
+def run_service(
+    settings: ServiceSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    ray_address: str | None = None,
+) -> str:
+    """Deploy the service on a Ray cluster (a local one without ``ray_address``); its URL."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
+        if ray_address:
+            ray.init(address=ray_address, **kwargs)
+        else:
+            ray.init(object_store_memory=256 * 1024**2, **kwargs)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown}:{port}"
