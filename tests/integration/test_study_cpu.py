@@ -200,6 +200,9 @@ def test_two_drivers_share_one_study_through_postgresql(
 ) -> None:
     name = f"ci-pg-{os.getpid()}"
     job = job_dict(tmp_path, tiny_model, name=name, trials=4, storage=postgres_url)
+    # Two servers share 2 cores here: this test is about the shared storage, not replay
+    # fidelity, so the send-lag bound is loosened rather than retrying distorted replays.
+    job["trace"]["max_send_lag_ms"] = 250
     path = write_job(tmp_path, job)
     first = tune(path, "--runner", "local")
     # The second driver joins once the study exists (as a second machine would).
