@@ -51,6 +51,8 @@ __all__ = [
 
 APP_NAME = "vllm-autotune"
 TOKENS_ENV = "VLLM_AUTOTUNE_TOKENS"
+DATABASE_ENV = "VLLM_AUTOTUNE_DATABASE"
+STORAGE_ENV = "VLLM_AUTOTUNE_STORAGE"
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the service's token list")
 
@@ -313,7 +315,9 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``token_file``,
     ``max_concurrent``, ``max_upload_mib``, ``study_storage``, ``poll_interval_s``, ``mlflow``.
     Tokens come from ``token_file`` and the ``VLLM_AUTOTUNE_TOKENS`` environment variable of
-    the process that builds the application; only their digests are kept.
+    the process that builds the application; only their digests are kept. Without
+    ``database_url`` / ``study_storage``, ``VLLM_AUTOTUNE_DATABASE`` / ``VLLM_AUTOTUNE_STORAGE``
+    are read (so a password never has to appear in a manifest).
 
     Raises:
         ConfigError: No token configured, or an unknown key.
@@ -342,7 +346,9 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     if isinstance(roots, str):
         roots = [roots]
     return ServiceSettings(
-        database_url=args.get("database_url") or f"sqlite:///{data_dir}/service.db",
+        database_url=args.get("database_url")
+        or os.environ.get(DATABASE_ENV)
+        or f"sqlite:///{data_dir}/service.db",
         data_dir=data_dir,
         trace_roots=tuple(str(Path(r).expanduser().resolve()) for r in roots),
         token_sha256=tuple(sorted({hash_token(t) for t in tokens})),
@@ -350,7 +356,7 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
             int(args["max_concurrent"]) if args.get("max_concurrent") is not None else None
         ),
         max_upload_bytes=int(float(args.get("max_upload_mib") or 32) * 1024**2),
-        study_storage=args.get("study_storage") or None,
+        study_storage=args.get("study_storage") or os.environ.get(STORAGE_ENV) or None,
         poll_interval_s=float(args.get("poll_interval_s") or 2.0),
         mlflow=bool(args.get("mlflow", True)),
     )

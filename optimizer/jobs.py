@@ -588,7 +588,9 @@ class StudyHost:
             job, base = load_job(self._job, base=Path(self._base))
             plan = prepare(job, base)
             capacity = 1 if plan.context.cpu_build else job.parallel
-            runner = RayRunner(capacity=capacity, cpus_per_trial=self._cpus)
+            runner = _ClusterLossGuard(
+                RayRunner(capacity=capacity, cpus_per_trial=self._cpus), lambda: self._cancel
+            )
             tracker = self._tracker(plan)
 
             def on_event(ev: Any) -> None:
@@ -663,6 +665,82 @@ class StudyHost:
         import os
 
         return os.getpid()
+
+
+class _ClusterLossGuard:
+    """A runner wrapper: a trial lost because the cluster went away is not a result.
+
+    When a trial's actor dies and the driver did not cancel it, the driver asks the cluster
+    whether its own node is still alive. If it is not (or the cluster does not answer), the
+    driver exits at once without telling the trial, exactly as a killed driver would: the
+    trial stays RUNNING and the next driver fails and re-queues it. A trial actor that died on
+    a healthy cluster (e.g. killed for memory) is a trial failure, passed on as such.
+    """
+
+    def __init__(self, inner: Any, cancelling: Callable[[], bool]) -> None:
+        self.inner = inner
+        self.capacity = inner.capacity
+        self._cancelling = cancelling
+
+    def submit(self, spec: Any, gpus: int) -> Any:
+        import concurrent.futures
+
+        handle = self.inner.submit(spec, gpus)
+        relayed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def relay(fut: concurrent.futures.Future[Any]) -> None:
+            exc = fut.exception()
+            if exc is None:
+                relayed.set_result(fut.result())
+                return
+            # Decide off Ray's callback thread: the health check may block.
+            threading.Thread(target=self._judge, args=(exc, relayed), daemon=True).start()
+
+        handle.future.add_done_callback(relay)
+        handle.future = relayed
+        return handle
+
+    def _judge(self, exc: BaseException, out: Any) -> None:
+        import os
+
+        import ray
+
+        if (
+            isinstance(exc, ray.exceptions.RayActorError)
+            and not self._cancelling()
+            and not _own_node_alive(timeout_s=15.0)
+        ):
+            os._exit(1)
+        out.set_exception(exc)
+
+    def cancel(self, handle: Any) -> None:
+        self.inner.cancel(handle)
+
+    def release(self, handle: Any) -> None:
+        release = getattr(self.inner, "release", None)
+        if release is not None:
+            release(handle)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _own_node_alive(timeout_s: float) -> bool:
+    """Whether the cluster answers, within ``timeout_s``, that this process's node is alive."""
+    import ray
+
+    answer: list[bool] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            me = ray.get_runtime_context().get_node_id()
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
+            answer.append(any(n["NodeID"] == me and n["Alive"] for n in nodes))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(answer and answer[0])
 
 
 class RayDriverLauncher:

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from optimizer.api import create_app, settings_from_args
 from optimizer.errors import ConfigError
 from optimizer.jobs import JobService
-from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service
+from tests.unit.test_jobs import REPO, TRACE, FakeLauncher, job_doc, make_service
 
 AUTH = {"Authorization": "Bearer good-token"}
 
@@ -209,7 +209,8 @@ def test_study_view_trial_cancel_and_export(
 def test_settings_need_tokens_and_keep_only_digests(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("VLLM_AUTOTUNE_TOKENS", raising=False)
+    for name in ("VLLM_AUTOTUNE_TOKENS", "VLLM_AUTOTUNE_DATABASE", "VLLM_AUTOTUNE_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="no API tokens"):
         settings_from_args({"data_dir": str(tmp_path)})
     monkeypatch.setenv("VLLM_AUTOTUNE_TOKENS", "s3cret,other")
@@ -219,3 +220,25 @@ def test_settings_need_tokens_and_keep_only_digests(
     assert s.max_upload_bytes == 1024**2
     with pytest.raises(ConfigError, match="unknown service settings"):
         settings_from_args({"tokens": "x"})
+    monkeypatch.setenv("VLLM_AUTOTUNE_DATABASE", "postgresql+psycopg2://u:pw@db/jobs")
+    assert settings_from_args({}).database_url == "postgresql+psycopg2://u:pw@db/jobs"
+
+
+def test_rayservice_manifest_deploys_this_app_with_valid_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "kuberay-rayservice.yaml").read_text()))
+    (svc,) = [d for d in docs if d and d.get("kind") == "RayService"]
+    assert svc["apiVersion"].startswith("ray.io/")
+    serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    (app,) = serve_cfg["applications"]
+    assert app["import_path"] == "optimizer.api:build_app"
+    assert app["deployments"][0]["name"] == "autotune-api"
+    assert app["deployments"][0]["num_replicas"] == 1  # the replica owns the scheduler
+    monkeypatch.setenv("VLLM_AUTOTUNE_TOKENS", "t")
+    settings = settings_from_args(app["args"])  # every key is one the builder knows
+    assert settings.trace_roots
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in head["env"]}
+    for name in ("VLLM_AUTOTUNE_TOKENS", "VLLM_AUTOTUNE_DATABASE", "VLLM_AUTOTUNE_STORAGE"):
+        assert "secretKeyRef" in env[name]["valueFrom"]
