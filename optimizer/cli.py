@@ -545,7 +545,17 @@ def _chain(*handlers: Any) -> Any:
 
 
 def _tracker_for(plan: Any, ns: argparse.Namespace) -> Any:
-    return None
+    if getattr(ns, "no_mlflow", False) or not plan.job.mlflow.enabled:
+        return None
+    from optimizer import tracking
+
+    tracker = tracking.tracker_for_plan(plan)
+    if tracker is not None:
+        console.print(
+            f"[dim]MLflow: experiment {tracker.target.experiment!r} at "
+            f"{tracking.ui_command(tracker.target)}[/]"
+        )
+    return tracker
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
@@ -555,6 +565,25 @@ def cmd_show(ns: argparse.Namespace) -> int:
     _plan, study = _load_study_dir(Path(ns.dir))
     console.print(status_table(study))
     console.print(front_table(study))
+    return 0
+
+
+def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
+    from optimizer.tracking import sync_study
+
+    try:
+        with console.status("logging the study to MLflow ..."):
+            summary = sync_study(ns.dir, tracking_uri=ns.tracking_uri, experiment=ns.experiment)
+    except AutotuneError:
+        raise
+    except Exception as exc:  # MLflow unreachable or refusing: say so, no traceback
+        err_console.print(f"[bold red]MLflow sync failed:[/] {type(exc).__name__}: {exc}")
+        return 1
+    console.print(
+        f"MLflow: {summary.trials} trials, {summary.created} runs created, {summary.updated} "
+        f"updated, {summary.duplicates_deleted} duplicates deleted; parent run "
+        f"{summary.parent_run_id}; Pareto front {list(summary.front)}"
+    )
     return 0
 
 
@@ -903,6 +932,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
     p.add_argument("dir")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "mlflow-sync", help="(re)build the MLflow view of a study folder from its Optuna storage"
+    )
+    p.add_argument("dir", help="study folder")
+    p.add_argument(
+        "--tracking-uri", default=None, help="log here (default: the study's, or DIR/mlflow.db)"
+    )
+    p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
+    p.set_defaults(func=cmd_mlflow_sync)
     return parser
 
 

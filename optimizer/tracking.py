@@ -1,0 +1,1466 @@
+"""MLflow review of a study: one parent run per study, one nested child run per trial.
+
+The Optuna storage stays the source of truth; MLflow is a view of it, rebuilt idempotently.
+:class:`Tracker` receives the driver's :class:`~optimizer.study.StudyEvent` objects and hands
+them to a background thread, so a slow or unreachable tracking server never delays a trial:
+the thread reads the finished trials from the study's own storage, writes them to MLflow with
+bounded exponential backoff, and re-tags every child run whenever the Pareto front changes.
+:func:`sync_study` (``vllm-autotune mlflow-sync DIR``) runs the same code once over a study
+folder, finding existing runs by their tags (``vllm_autotune.study``, ``vllm_autotune.trial``)
+and updating them, so running it twice creates nothing new.
+
+The parent run holds the job, the search space, the trace's statistics and shaping notes, a
+hypervolume-over-trials metric, the Pareto front (JSON, CSV, plots), parameter importances and
+a Markdown report (baseline vs front, gain per objective, what the winners changed, a diagnosis
+per trial class). Each child run holds the engine configuration (params), the whole summary,
+startup/replay times, the memory account and server metrics (metrics), the trial's state,
+failure class, baseline / Pareto / SLO tags, and its records, engine log and latency CDF.
+
+The default store is local: ``sqlite:///<out>/mlflow.db`` with artifacts in
+``<out>/mlartifacts``; ``mlflow.tracking_uri`` in the job points at a team's server instead.
+Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the fluent API
+(DESIGN.md §7.9). This is the only module that imports mlflow.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import queue
+import re
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import yaml
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.tracking import MlflowClient
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.errors import ConfigError
+from optimizer.report import front_rows
+from optimizer.study import StudyEvent, StudyPlan, create_storage, is_baseline
+
+__all__ = [
+    "SyncSummary",
+    "Tracker",
+    "TrackingTarget",
+    "diagnose",
+    "hypervolume_history",
+    "local_tracking_uri",
+    "sync_study",
+    "tracker_for_plan",
+    "ui_command",
+]
+
+_log = logging.getLogger(__name__)
+
+STUDY_TAG = "vllm_autotune.study"
+TRIAL_TAG = "vllm_autotune.trial"
+ROLE_TAG = "vllm_autotune.role"
+_ARTIFACTS_TAG = "vllm_autotune.artifacts"
+_DIGEST_TAG = "vllm_autotune.digest"
+_INPUTS_TAG = "vllm_autotune.inputs"
+_PARENT_TAG = "mlflow.parentRunId"
+_NOTE_TAG = "mlflow.note.content"
+_RUN_NAME_TAG = "mlflow.runName"
+
+REVIEW_DIR = "review"
+_MAX_PARAM = 6000
+_MAX_TAG = 7900
+_BATCH = 200
+_FAILED_STATUSES = ("failed", "invalid_replay", "driver_died")
+
+
+# --- where to log --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrackingTarget:
+    """Which study goes to which MLflow experiment.
+
+    Attributes:
+        study: Optuna study name.
+        storage_url: Optuna storage URL (the source of truth).
+        out: The study folder (trial folders, plan.json, review/).
+        tracking_uri: MLflow tracking URI.
+        experiment: MLflow experiment name.
+        sampler: Sampler name, logged as a param of every trial.
+        artifact_root: Where a newly created experiment keeps artifacts (local stores only).
+    """
+
+    study: str
+    storage_url: str
+    out: Path
+    tracking_uri: str
+    experiment: str
+    sampler: str = ""
+    artifact_root: Path | None = None
+
+
+def local_tracking_uri(out: Path) -> str:
+    """The embedded default store of a study folder: ``sqlite:///<out>/mlflow.db``."""
+    return f"sqlite:///{Path(out).resolve() / 'mlflow.db'}"
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def ui_command(target: TrackingTarget) -> str:
+    """The command that opens the MLflow UI on this target (or its URL for a server)."""
+    if target.tracking_uri.startswith(("http://", "https://")):
+        return target.tracking_uri
+    if target.tracking_uri.startswith("sqlite:///"):
+        db = Path(target.tracking_uri[len("sqlite:///") :])
+        root = target.artifact_root or db.parent / "mlartifacts"
+        return (
+            f"mlflow ui --backend-store-uri sqlite:///{_relative(db)} "
+            f"--default-artifact-root {_relative(root)}"
+        )
+    return f"mlflow ui --backend-store-uri {target.tracking_uri}"
+
+
+def _redact(text: str) -> str:
+    """Hide passwords in URLs (``scheme://user:secret@host`` -> ``scheme://user:***@host``)."""
+    return re.sub(r"(://[^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
+
+
+def _target_from_plan(plan: StudyPlan) -> TrackingTarget:
+    job = plan.job
+    uri = job.mlflow.tracking_uri or local_tracking_uri(plan.out)
+    local = uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
+    return TrackingTarget(
+        study=job.name,
+        storage_url=plan.storage_url,
+        out=plan.out,
+        tracking_uri=uri,
+        experiment=job.mlflow.experiment or job.name,
+        sampler=job.sampler.name,
+        artifact_root=(plan.out / "mlartifacts").resolve() if local else None,
+    )
+
+
+def _write_review_inputs(plan: StudyPlan, target: TrackingTarget) -> None:
+    """Write what the parent run shows into ``<out>/review`` (so mlflow-sync can re-log it)."""
+    from optimizer.workload.stats import inspect_trace
+
+    folder = plan.out / REVIEW_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    job = plan.job.model_dump(mode="json")
+    # Server env may hold secrets (config.EngineSection): keep the names, never the values.
+    job["engine"]["env"] = {k: "***" for k in job["engine"].get("env", {})}
+    if job.get("storage"):
+        job["storage"] = _redact(job["storage"])
+    if job.get("mlflow", {}).get("tracking_uri"):
+        job["mlflow"]["tracking_uri"] = _redact(job["mlflow"]["tracking_uri"])
+    (folder / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    (folder / "search_space.yaml").write_text(
+        yaml.safe_dump(plan.space.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    )
+    trace = {"stats": inspect_trace(plan.trace), "notes": list(plan.trace_notes)}
+    (folder / "trace.json").write_text(json.dumps(trace, indent=2, default=str) + "\n")
+    meta = {
+        "study": target.study,
+        "storage": target.storage_url,
+        "tracking_uri": target.tracking_uri,
+        "experiment": target.experiment,
+        "sampler": target.sampler,
+        "artifact_root": str(target.artifact_root) if target.artifact_root else None,
+        "model": plan.engine.model,
+        "search_space": plan.space.name,
+    }
+    (folder / "mlflow.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _bound_http_retries() -> None:
+    """Keep MLflow's own HTTP retries short; the tracker's thread does the patient retrying.
+
+    MLflow reads these variables on every request, and by default retries for minutes; it also
+    prints a "View run at" line per finished run to stdout, into the tuner's progress output.
+    Values a user has set win.
+    """
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+# --- pure helpers: classes, hypervolume, diagnosis -----------------------------------------------
+
+
+def _status(t: FrozenTrial) -> str:
+    return str(t.user_attrs.get("status") or t.state.name.lower())
+
+
+def _feasible(t: FrozenTrial) -> bool:
+    return t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
+
+
+def _measured(t: FrozenTrial) -> bool:
+    """Complete with real measurements (not a failure told with worst-case values)."""
+    return t.state == TrialState.COMPLETE and _status(t) == "complete" and bool(t.values)
+
+
+def _front(study: optuna.Study) -> set[int]:
+    return {t.number for t in study.best_trials if _feasible(t)}
+
+
+def _args(t: FrozenTrial) -> dict[str, Any]:
+    raw = t.user_attrs.get("engine_args")
+    try:
+        return dict(json.loads(raw)) if isinstance(raw, str) else {}
+    except ValueError:
+        return {}
+
+
+def _trial_class(t: FrozenTrial, front: set[int]) -> str:
+    status = _status(t)
+    if status in ("rejected", *_FAILED_STATUSES):
+        return status
+    if not _feasible(t):
+        return "slo_missed"
+    return "pareto" if t.number in front else "dominated"
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def _hv_scales(trials: list[FrozenTrial]) -> list[float] | None:
+    """Objective values the hypervolume is normalized by: the baseline's, or else the first
+    measured trial's (None while no trial was measured)."""
+    measured = sorted((t for t in trials if _measured(t)), key=lambda t: t.number)
+    ref = next((t for t in measured if is_baseline(t)), measured[0] if measured else None)
+    if ref is None or not ref.values:
+        return None
+    return [abs(v) if math.isfinite(v) and v != 0 else 1.0 for v in ref.values]
+
+
+def _hypervolume(
+    points: list[list[float]], directions: list[optuna.study.StudyDirection], scales: list[float]
+) -> float:
+    """Hypervolume of feasible points, each objective divided by its scale (see
+    :func:`hypervolume_history`)."""
+    from optuna._hypervolume import compute_hypervolume
+
+    ref = np.array([0.0 if d == optuna.study.StudyDirection.MAXIMIZE else 2.0 for d in directions])
+    losses = []
+    for p in points:
+        loss = [
+            -v / s if d == optuna.study.StudyDirection.MAXIMIZE else v / s
+            for v, s, d in zip(p, scales, directions, strict=True)
+        ]
+        if all(x < r for x, r in zip(loss, ref, strict=True)):
+            losses.append(loss)
+    if not losses:
+        return 0.0
+    arr = np.array(losses, dtype=np.float64)
+    if arr.shape[1] == 1:
+        return float(ref[0] - arr[:, 0].min())
+    return float(compute_hypervolume(arr, ref))
+
+
+def hypervolume_history(
+    trials: list[FrozenTrial], directions: list[optuna.study.StudyDirection]
+) -> dict[int, float]:
+    """Hypervolume of the feasible trials after each trial finished, keyed by trial number.
+
+    Objectives are made dimensionless by dividing each by the baseline's value (or, when the
+    baseline measured nothing, the first measured trial's), so the objectives' units do not
+    weigh in and the baseline alone scores exactly 1.0. The reference point is twice the
+    baseline for a minimized objective and zero for a maximized one: a configuration counts
+    once it is less than twice as slow as the baseline on every latency and serves anything.
+    The value after trial ``n`` covers the feasible trials that had finished by the time ``n``
+    finished (completion order, which is what a live tracker sees, so rebuilding the history
+    from the storage gives the same numbers).
+
+    Args:
+        trials: All trials of the study.
+        directions: The study's directions.
+
+    Returns:
+        Trial number -> hypervolume, for every complete trial (empty without a measured trial).
+    """
+    scales = _hv_scales(trials)
+    if scales is None:
+        return {}
+    done = sorted(
+        (t for t in trials if t.state == TrialState.COMPLETE and t.datetime_complete),
+        key=lambda t: (t.datetime_complete, t.number),
+    )
+    out: dict[int, float] = {}
+    points: list[list[float]] = []
+    for t in done:
+        if _feasible(t) and _measured(t) and t.values:
+            points.append(list(t.values))
+        out[t.number] = _hypervolume(points, directions, scales)
+    return out
+
+
+_FAILURE_HINTS = {
+    "oom_at_load": "out of memory while loading the weights: shard them (tensor-parallel-size), "
+    "quantize, or leave more memory free",
+    "kv_cache_too_small": "the KV cache cannot hold one max-model-len request: more KV memory "
+    "or a smaller max-model-len",
+    "invalid_argument": "vLLM refused an argument (see the log)",
+    "cuda_error": "CUDA error: driver, kernel or hardware (see the log)",
+    "engine_crashed": "the engine crashed (see the log tail)",
+    "startup_timeout": "not healthy within the startup timeout (compilation or weight loading)",
+}
+
+
+def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[str]:
+    """A serving engineer's short reading of one trial's measurements.
+
+    TTFT-bound (time before the first token dominates: prefill queueing) vs TPOT-bound
+    (decode dominates), the KV cache's capacity against the concurrency the trace produced
+    (Little's law: request throughput x mean end-to-end latency), preemptions and prefix-cache
+    hits from the server's metrics, and which SLOs were missed.
+
+    Args:
+        t: The trial.
+        trace_stats: :func:`optimizer.workload.stats.inspect_trace` of the replayed trace.
+
+    Returns:
+        Sentences, most important first.
+    """
+    status = _status(t)
+    message = str(t.user_attrs.get("message") or "").strip().splitlines()
+    first = message[0][:200] if message else ""
+    if status == "rejected":
+        return [f"rejected before any engine started: {first}"]
+    if status == "failed":
+        fc = str(t.user_attrs.get("failure_class") or "")
+        hint = _FAILURE_HINTS.get(fc, "the engine failed")
+        return [f"engine failed ({fc or 'unknown'}): {hint}."] + ([first] if first else [])
+    if status == "invalid_replay":
+        return ["the replay client could not keep the schedule: not scored, retried."]
+    if status == "driver_died":
+        return ["the driver died while this trial ran; its configuration was re-queued."]
+    s = {k: v for k, v in (t.user_attrs.get("summary") or {}).items() if _num(v) is not None}
+    mem = t.user_attrs.get("memory") or {}
+    server = t.user_attrs.get("server_metrics") or {}
+    lines: list[str] = []
+    missed = [name for name, m in t.constraints.items() if m > 0]
+    if missed:
+        lines.append("misses " + ", ".join(missed) + (f" ({first})" if first else "") + ".")
+    ttft95, e2el95 = s.get("p95_ttft_ms"), s.get("p95_e2el_ms")
+    tpot95, ttft50 = s.get("p95_tpot_ms"), s.get("median_ttft_ms") or s.get("p50_ttft_ms")
+    if ttft95 and e2el95:
+        share = ttft95 / e2el95
+        if share >= 0.5:
+            lines.append(
+                f"TTFT-bound: p95 TTFT is {share:.0%} of p95 end-to-end latency; requests wait "
+                "for prefill (queueing): more max-num-batched-tokens / max-num-seqs, chunked "
+                "prefill, or more KV cache to admit them sooner."
+            )
+        elif share <= 0.2:
+            lines.append(
+                f"TPOT-bound: decode dominates (p95 TPOT {tpot95 or float('nan'):.1f} ms, TTFT "
+                f"{share:.0%} of E2EL); a smaller decode batch (max-num-seqs) or speculative "
+                "decoding lowers TPOT, at some throughput."
+            )
+        else:
+            lines.append(f"balanced: p95 TTFT is {share:.0%} of p95 end-to-end latency.")
+    if ttft95 and ttft50 and ttft95 / ttft50 > 3:
+        cv = (trace_stats or {}).get("burstiness_cv")
+        lines.append(
+            f"TTFT tail p95/p50 = {ttft95 / ttft50:.1f}: queueing under bursts"
+            + (f" (trace burstiness CV {cv:.2f})." if isinstance(cv, int | float) else ".")
+        )
+    kv_tokens = _num(mem.get("kv_cache_tokens"))
+    thr, mean_e2el = s.get("request_throughput"), s.get("mean_e2el_ms")
+    if kv_tokens and thr and mean_e2el and s.get("completed"):
+        in_flight = thr * mean_e2el / 1000.0
+        per_request = (s.get("total_input_tokens", 0.0) + s.get("total_output_tokens", 0.0)) / s[
+            "completed"
+        ]
+        need = in_flight * per_request
+        holds = kv_tokens / per_request if per_request else float("inf")
+        conc = _num(mem.get("max_concurrency"))
+        text = (
+            f"KV cache {kv_tokens:,.0f} tokens holds ~{holds:,.0f} requests of this trace "
+            f"(max concurrency {conc:.1f}x at max-model-len); ~{in_flight:.1f} were in flight"
+            if conc
+            else f"KV cache {kv_tokens:,.0f} tokens holds ~{holds:,.0f} requests of this trace; "
+            f"~{in_flight:.1f} were in flight"
+        )
+        if need > 0.8 * kv_tokens:
+            text += ": capacity-bound (more KV memory, fp8 KV cache, smaller max-model-len)."
+        else:
+            text += f": ample ({need / kv_tokens:.0%} used on average)."
+        lines.append(text)
+        seqs = _num(_args(t).get("max-num-seqs"))
+        if seqs and holds < seqs:
+            lines.append(
+                f"max-num-seqs={seqs:.0f} exceeds what the KV cache holds (~{holds:.0f}): "
+                "the scheduler will preempt under load."
+            )
+    pre = _num(server.get("vllm:num_preemptions_total"))
+    if pre is not None:
+        lines.append(
+            f"{pre:.0f} preemptions: KV cache exhausted mid-decode, work recomputed."
+            if pre > 0
+            else "no preemptions."
+        )
+    queries = _num(server.get("vllm:prefix_cache_queries_total"))
+    hits = _num(server.get("vllm:prefix_cache_hits_total"))
+    if queries and hits is not None:
+        lines.append(f"prefix cache hit rate {hits / queries:.0%}.")
+    return lines or ["no measurements to read."]
+
+
+# --- documents the parent run shows --------------------------------------------------------------
+
+
+def _metric_names(study: optuna.Study) -> list[str]:
+    names = study.metric_names
+    return list(names) if names else [f"objective_{i}" for i in range(len(study.directions))]
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _front_doc(study: optuna.Study) -> list[dict[str, Any]]:
+    names = _metric_names(study)
+    trials = study.get_trials(deepcopy=False)
+    out = []
+    for row in front_rows(study):
+        out.append(
+            {
+                "trial": row.number,
+                "baseline": row.baseline,
+                "feasible": row.feasible,
+                "values": dict(zip(names, row.values, strict=False)),
+                "gain_pct": dict(zip(names, row.gains_pct, strict=False)),
+                "changed": row.changed,
+                "engine_args": _args(trials[row.number]),
+            }
+        )
+    return out
+
+
+def _front_csv(study: optuna.Study, doc: list[dict[str, Any]]) -> str:
+    names = _metric_names(study)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(
+        ["trial", "baseline", "feasible", *names, *(f"gain_pct_{n}" for n in names), "changed"]
+    )
+    for r in doc:
+        w.writerow(
+            [
+                r["trial"],
+                r["baseline"],
+                r["feasible"],
+                *(r["values"].get(n) for n in names),
+                *("" if r["gain_pct"].get(n) is None else r["gain_pct"][n] for n in names),
+                "; ".join(f"{k}={v}" for k, v in sorted(r["changed"].items())),
+            ]
+        )
+    return buf.getvalue()
+
+
+def _importances(study: optuna.Study) -> dict[str, Any]:
+    """Importances per objective (Optuna's default evaluator) over feasible measured trials.
+
+    Needs at least 2 such trials with parameters; otherwise (or when the evaluator refuses,
+    e.g. every value equal) the entry explains why.
+    """
+    usable = [t for t in study.get_trials(deepcopy=False) if _feasible(t) and _measured(t)]
+    usable = [t for t in usable if t.params]
+    if len(usable) < 2:
+        return {"note": f"{len(usable)} feasible trials with parameters; importances need 2"}
+    tmp = optuna.create_study(directions=study.directions)
+    tmp.add_trials(usable)
+    out: dict[str, Any] = {}
+    for i, name in enumerate(_metric_names(study)):
+        try:
+            sign = -1.0 if study.directions[i] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+
+            def target(t: FrozenTrial, i: int = i, sign: float = sign) -> float:
+                return sign * float(t.values[i])  # evaluators rank params for low targets
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out[name] = optuna.importance.get_param_importances(tmp, target=target)
+        except Exception as exc:  # too few distinct values, a constant target, ...
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
+
+
+def _plot_front(study: optuna.Study, front: set[int], folder: Path) -> list[Path]:
+    """2-D projections of the measured trials; front highlighted, baseline marked."""
+    from matplotlib.figure import Figure
+
+    names = _metric_names(study)
+    trials = [t for t in study.get_trials(deepcopy=False) if _measured(t)]
+    if len(names) < 2 or not trials:
+        return []
+    files = []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            fig = Figure(figsize=(6, 4.5))
+            ax = fig.add_subplot()
+            groups = (
+                (
+                    "infeasible (SLO missed)",
+                    [t for t in trials if not _feasible(t)],
+                    "x",
+                    "tab:red",
+                ),
+                (
+                    "feasible, dominated",
+                    [t for t in trials if _feasible(t) and t.number not in front],
+                    "o",
+                    "tab:gray",
+                ),
+                ("Pareto front", [t for t in trials if t.number in front], "o", "tab:blue"),
+            )
+            for label, group, marker, color in groups:
+                if group:
+                    ax.scatter(
+                        [t.values[i] for t in group],
+                        [t.values[j] for t in group],
+                        marker=marker,
+                        color=color,
+                        label=label,
+                    )
+            for t in trials:
+                if t.number in front or is_baseline(t):
+                    ax.annotate(str(t.number), (t.values[i], t.values[j]), fontsize=8)
+            base = next((t for t in trials if is_baseline(t)), None)
+            if base is not None:
+                ax.scatter(
+                    [base.values[i]],
+                    [base.values[j]],
+                    marker="*",
+                    s=220,
+                    color="black",
+                    label="baseline (vLLM defaults)",
+                )
+
+            def arrow(k: int) -> str:
+                return "↓" if study.directions[k] == optuna.study.StudyDirection.MINIMIZE else "↑"
+
+            ax.set_xlabel(f"{names[i]} {arrow(i)}")
+            ax.set_ylabel(f"{names[j]} {arrow(j)}")
+            ax.set_title(f"{study.study_name}: {names[i]} vs {names[j]}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = folder / f"pareto_{names[i]}__{names[j]}.png"
+            fig.savefig(path, dpi=110)
+            files.append(path)
+    try:
+        import plotly  # noqa: F401
+
+        html = optuna.visualization.plot_pareto_front(
+            study, target_names=names, include_dominated_trials=True
+        )
+        path = folder / "pareto_front.html"
+        html.write_html(str(path))
+        files.append(path)
+    except Exception:  # plotly not installed, or too few trials: the PNGs suffice
+        pass
+    return files
+
+
+def _latency_cdf(records_path: Path, out: Path) -> bool:
+    """TTFT / TPOT / E2EL CDFs of a trial's measured, successful requests."""
+    from matplotlib.figure import Figure
+
+    from optimizer.trial import read_records
+
+    records = [r for r in read_records(records_path) if not r.warmup and r.ok and r.first_token_s]
+    if not records:
+        return False
+    ttft = [(r.first_token_s or 0.0) - r.sent_s for r in records]
+    e2el = [(r.chunk_times_s[-1] if r.chunk_times_s else r.end_s) - r.sent_s for r in records]
+    tpot = [
+        (e - f) / (r.output_tokens - 1)
+        for r, e, f in zip(records, e2el, ttft, strict=True)
+        if r.output_tokens > 1
+    ]
+    fig = Figure(figsize=(11, 3.5))
+    for k, (label, values) in enumerate((("TTFT", ttft), ("TPOT", tpot), ("E2EL", e2el))):
+        ax = fig.add_subplot(1, 3, k + 1)
+        if values:
+            ms = np.sort(np.array(values) * 1000.0)
+            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post")
+            p95 = float(np.percentile(ms, 95))
+            ax.axvline(p95, color="tab:red", ls="--", lw=1, label=f"p95 {p95:,.1f} ms")
+            ax.legend(fontsize=7)
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"latency CDF ({len(records)} measured requests)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return True
+
+
+def _report_md(
+    study: optuna.Study,
+    doc: list[dict[str, Any]],
+    front: set[int],
+    hv: dict[int, float],
+    importances: dict[str, Any],
+    plan: dict[str, Any],
+    trace: dict[str, Any],
+) -> str:
+    names = _metric_names(study)
+    trials = study.get_trials(deepcopy=False)
+    arrows = ["↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑" for d in study.directions]
+    over = [t for t in trials if t.state not in (TrialState.RUNNING, TrialState.WAITING)]
+    counts = Counter(_status(t) for t in over)
+    base = next((t for t in trials if is_baseline(t)), None)
+    base_args = _args(base) if base else {}
+    lines = [f"# Study `{study.study_name}`", ""]
+    if plan:
+        lines += [
+            f"- vLLM: {plan.get('vllm') or '-'}",
+            f"- trace: `{Path(str(plan.get('trace', '-'))).name}`, "
+            f"{plan.get('requests', '-')} requests after shaping",
+            f"- objectives: {', '.join(plan.get('objectives', []))}",
+            f"- SLOs: {', '.join(plan.get('slos', [])) or 'none'}",
+        ]
+    lines += [
+        f"- trials: {len(trials)} ("
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        + f"), Pareto front (feasible): {len(front)}",
+    ]
+    if hv:
+        last = max(hv.items(), key=lambda kv: kv[0])
+        lines.append(
+            f"- hypervolume {last[1]:.3f} after trial {last[0]} (baseline alone = 1.000; "
+            "objectives normalized by the baseline, reference 2x baseline latency / 0 throughput)"
+        )
+    lines += ["", "## Baseline vs the Pareto front", ""]
+    header = ["trial", *(f"{n} {a}" for n, a in zip(names, arrows, strict=True)), "SLOs"]
+    lines += ["| " + " | ".join(header) + " | changed vs baseline |"]
+    lines += ["|" + "---|" * (len(header) + 1)]
+    for r in doc:
+        cells = []
+        for n in names:
+            v, g = r["values"].get(n), r["gain_pct"].get(n)
+            text = _fmt(v)
+            if not r["baseline"] and g is not None:
+                text += f" ({g:+.1f}%)"
+            cells.append(text)
+        label = f"{r['trial']} (baseline)" if r["baseline"] else str(r["trial"])
+        changed = (
+            "vLLM defaults"
+            if r["baseline"]
+            else ", ".join(f"`{k}={v}`" for k, v in sorted(r["changed"].items())) or "-"
+        )
+        slo = "met" if r["feasible"] else "missed"
+        lines.append("| " + " | ".join([label, *cells, slo, changed]) + " |")
+    if not any(not r["baseline"] for r in doc):
+        lines += ["", "No feasible configuration beyond the baseline yet."]
+    winners = [r for r in doc if not r["baseline"]]
+    if winners:
+        lines += ["", "## What the winners changed", ""]
+        for r in winners:
+            diffs = [
+                f"`{k}`: {base_args.get(k, '(default)')} → {v}"
+                for k, v in sorted(r["changed"].items())
+            ]
+            gains = ", ".join(f"{n} {g:+.1f}%" for n, g in r["gain_pct"].items() if g is not None)
+            lines.append(
+                f"- trial {r['trial']} ({gains or 'no baseline to compare'}): "
+                + ("; ".join(diffs) or "same arguments as the baseline")
+            )
+        flags = Counter(k for r in winners for k in r["changed"])
+        common = [k for k, c in flags.items() if c == len(winners)]
+        if len(winners) > 1 and common:
+            lines.append(
+                f"- every front configuration changes: {', '.join(f'`{k}`' for k in common)}"
+            )
+    good = {k: v for k, v in importances.items() if isinstance(v, dict) and "error" not in v}
+    if good:
+        lines += ["", "## Parameter importances (Optuna's default evaluator, feasible trials)", ""]
+        for metric, imp in good.items():
+            top = sorted(imp.items(), key=lambda kv: -kv[1])[:5]
+            lines.append(f"- {metric}: " + ", ".join(f"`{p}` {v:.2f}" for p, v in top))
+    lines += ["", "## Diagnosis by trial class", ""]
+    stats = trace.get("stats") if isinstance(trace.get("stats"), dict) else None
+    classes = {
+        "pareto": "Pareto front",
+        "dominated": "Feasible, dominated",
+        "slo_missed": "Measured, SLO missed",
+        "failed": "Engine failed",
+        "rejected": "Rejected before start",
+        "invalid_replay": "Invalid replay (not scored)",
+        "driver_died": "Lost with a dead driver",
+    }
+    if base is not None:
+        lines += ["### Baseline", ""]
+        lines += [f"- trial {base.number}: " + " ".join(diagnose(base, stats)), ""]
+    for cls, title in classes.items():
+        members = [t for t in over if not is_baseline(t) and _trial_class(t, front) == cls]
+        if not members:
+            continue
+        lines += [f"### {title} ({len(members)})", ""]
+        lines += [f"- trial {t.number}: " + " ".join(diagnose(t, stats)) for t in members]
+        lines.append("")
+    notes = trace.get("notes") or []
+    if notes or stats:
+        lines += ["## Trace", ""]
+        lines += [f"- {n}" for n in notes]
+        if stats:
+            keys = (
+                "requests",
+                "duration_s",
+                "mean_rate_rps",
+                "peak_rate_rps",
+                "burstiness_cv",
+                "mean_input_tokens",
+                "mean_output_tokens",
+                "prefix_reuse_ratio",
+            )
+            lines += [
+                f"- {k}: {stats[k]:.3g}"
+                if isinstance(stats.get(k), float)
+                else f"- {k}: {stats.get(k)}"
+                for k in keys
+                if k in stats
+            ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the MLflow side -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    run_id: str
+    status: str
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    start_time: int = 0
+
+
+@dataclass(frozen=True)
+class SyncSummary:
+    """What :func:`sync_study` did.
+
+    Attributes:
+        experiment_id: The MLflow experiment.
+        parent_run_id: The study's parent run.
+        trials: Trials in the Optuna storage.
+        created: Child runs created.
+        updated: Child runs that already existed (brought up to date).
+        duplicates_deleted: Extra runs of the same trial (or study) deleted.
+        front: Trial numbers of the feasible Pareto front.
+    """
+
+    experiment_id: str
+    parent_run_id: str
+    trials: int
+    created: int
+    updated: int
+    duplicates_deleted: int
+    front: tuple[int, ...]
+
+
+def _ms(dt: Any) -> int | None:
+    return int(dt.timestamp() * 1000) if dt is not None else None
+
+
+def _param_value(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+    return text[:_MAX_PARAM]
+
+
+def _tag_value(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return text[:_MAX_TAG]
+
+
+class _Syncer:
+    """Brings one study's MLflow runs in line with its Optuna storage (idempotent)."""
+
+    def __init__(self, target: TrackingTarget) -> None:
+        self.target = target
+        self.client = MlflowClient(tracking_uri=target.tracking_uri)
+        self.experiment_id: str | None = None
+        self.parent: _Run | None = None
+        self.children: dict[int, _Run] = {}
+        self.duplicates_deleted = 0
+        self.created = 0
+        self._study: optuna.Study | None = None
+
+    # connection ------------------------------------------------------------------------------
+
+    def study(self) -> optuna.Study:
+        if self._study is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = create_storage(self.target.storage_url)
+            self._study = optuna.load_study(study_name=self.target.study, storage=storage)
+        return self._study
+
+    def connect(self) -> None:
+        if self.parent is not None:
+            return
+        exp = self.client.get_experiment_by_name(self.target.experiment)
+        if exp is None:
+            root = self.target.artifact_root
+            if root is not None:
+                root.mkdir(parents=True, exist_ok=True)
+            self.experiment_id = self.client.create_experiment(
+                self.target.experiment, artifact_location=root.as_uri() if root else None
+            )
+        else:
+            if exp.lifecycle_stage == "deleted":
+                self.client.restore_experiment(exp.experiment_id)
+            self.experiment_id = exp.experiment_id
+        runs = self._search(f"tags.`{ROLE_TAG}` = 'study'")
+        parent = self._dedupe(runs)
+        if parent is None:
+            run = self.client.create_run(
+                self.experiment_id,
+                tags={
+                    STUDY_TAG: self.target.study,
+                    ROLE_TAG: "study",
+                    _RUN_NAME_TAG: self.target.study,
+                },
+                run_name=self.target.study,
+            )
+            parent = _Run(run.info.run_id, run.info.status, tags=dict(run.data.tags))
+        self.parent = parent
+        by_trial: dict[int, list[_Run]] = {}
+        for r in self._search(f"tags.`{ROLE_TAG}` = 'trial'"):
+            try:
+                by_trial.setdefault(int(r.tags.get(TRIAL_TAG, "")), []).append(r)
+            except ValueError:
+                continue
+        for number, group in by_trial.items():
+            kept = self._dedupe(group)
+            if kept is not None:
+                self.children[number] = kept
+
+    def _search(self, extra: str) -> list[_Run]:
+        assert self.experiment_id is not None
+        study = self.target.study.replace("'", "\\'")
+        flt = f"tags.`{STUDY_TAG}` = '{study}' and {extra}"
+        out: list[_Run] = []
+        token: str | None = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=flt,
+                run_view_type=ViewType.ACTIVE_ONLY,
+                max_results=1000,
+                order_by=["attributes.start_time ASC"],
+                page_token=token,
+            )
+            for run in page:
+                out.append(
+                    _Run(
+                        run.info.run_id,
+                        run.info.status,
+                        params=dict(run.data.params),
+                        metrics=dict(run.data.metrics),
+                        tags=dict(run.data.tags),
+                        start_time=int(run.info.start_time or 0),
+                    )
+                )
+            token = page.token
+            if not token:
+                return out
+
+    def _dedupe(self, runs: list[_Run]) -> _Run | None:
+        """Keep the oldest run; delete the others (left by a crash between create and tag)."""
+        if not runs:
+            return None
+        runs = sorted(runs, key=lambda r: (r.start_time, r.run_id))
+        for extra in runs[1:]:
+            self.client.delete_run(extra.run_id)
+            self.duplicates_deleted += 1
+        return runs[0]
+
+    # writing ---------------------------------------------------------------------------------
+
+    def _log(
+        self,
+        run: _Run,
+        *,
+        params: dict[str, str] | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: dict[str, str] | None = None,
+        step: int = 0,
+        timestamp_ms: int | None = None,
+    ) -> None:
+        """Log only what differs from what the run has (params are immutable: missing only)."""
+        ts = timestamp_ms or int(time.time() * 1000)
+        new_params = [Param(k, v) for k, v in (params or {}).items() if k not in run.params]
+        new_metrics = [
+            Metric(k, v, ts, step)
+            for k, v in (metrics or {}).items()
+            if k not in run.metrics or not math.isclose(run.metrics[k], v, rel_tol=1e-9)
+        ]
+        new_tags = [RunTag(k, v) for k, v in (tags or {}).items() if run.tags.get(k) != v]
+        while new_params or new_metrics or new_tags:
+            p, new_params = new_params[:100], new_params[100:]
+            m, new_metrics = new_metrics[:_BATCH], new_metrics[_BATCH:]
+            t, new_tags = new_tags[:100], new_tags[100:]
+            self.client.log_batch(run.run_id, metrics=m, params=p, tags=t)
+            run.params.update({x.key: x.value for x in p})
+            run.metrics.update({x.key: x.value for x in m})
+            run.tags.update({x.key: x.value for x in t})
+
+    def sync_trial(self, t: FrozenTrial, front: set[int]) -> bool:
+        """Create or update the child run of one finished trial; returns True when created."""
+        self.connect()
+        assert self.parent is not None and self.experiment_id is not None
+        if t.state in (TrialState.RUNNING, TrialState.WAITING):
+            return False
+        name = "baseline" if is_baseline(t) else f"trial-{t.number:04d}"
+        run = self.children.get(t.number)
+        created = run is None
+        if run is None:
+            info = self.client.create_run(
+                self.experiment_id,
+                start_time=_ms(t.datetime_start),
+                tags={
+                    STUDY_TAG: self.target.study,
+                    TRIAL_TAG: str(t.number),
+                    ROLE_TAG: "trial",
+                    _PARENT_TAG: self.parent.run_id,
+                    _RUN_NAME_TAG: name,
+                },
+                run_name=name,
+            )
+            run = _Run(info.info.run_id, info.info.status, tags=dict(info.data.tags))
+            self.children[t.number] = run
+            self.created += 1
+        self._log(
+            run,
+            params=self._trial_params(t),
+            metrics=self._trial_metrics(t),
+            tags=self._trial_tags(t, front),
+            timestamp_ms=_ms(t.datetime_complete),
+        )
+        if run.tags.get(_ARTIFACTS_TAG) != "uploaded":
+            state = self._trial_artifacts(t, run)
+            self._log(run, tags={_ARTIFACTS_TAG: state})
+        status = (
+            "FAILED"
+            if _status(t) in _FAILED_STATUSES or t.state == TrialState.FAIL
+            else ("FINISHED")
+        )
+        if run.status != status:
+            self.client.set_terminated(run.run_id, status, end_time=_ms(t.datetime_complete))
+            run.status = status
+        return created
+
+    def _trial_params(self, t: FrozenTrial) -> dict[str, str]:
+        params = {k: _param_value(v) for k, v in _args(t).items() if k.strip()}
+        params["trial_number"] = str(t.number)
+        if self.target.sampler:
+            params["sampler"] = self.target.sampler
+        return params
+
+    def _trial_metrics(self, t: FrozenTrial) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k, v in (t.user_attrs.get("summary") or {}).items():
+            if (n := _num(v)) is not None:
+                out[str(k)] = n
+        for k in ("startup_s", "replay_s", "attempts"):
+            if (n := _num(t.user_attrs.get(k))) is not None:
+                out[k] = n
+        for k, v in (t.user_attrs.get("memory") or {}).items():
+            if (n := _num(v)) is not None:
+                out[str(k)] = n
+        for k, v in (t.user_attrs.get("server_metrics") or {}).items():
+            if (n := _num(v)) is not None:
+                out["server." + re.sub(r"[^\w.\-/ ]", "_", str(k).removeprefix("vllm:"))] = n
+        return out
+
+    def _trial_tags(self, t: FrozenTrial, front: set[int]) -> dict[str, str]:
+        tags = {
+            "state": _status(t),
+            "baseline": str(is_baseline(t)).lower(),
+            "pareto": str(t.number in front).lower(),
+            "slo_met": str(_feasible(t)).lower(),
+            "class": _trial_class(t, front),
+        }
+        if t.user_attrs.get("failure_class"):
+            tags["failure_class"] = str(t.user_attrs["failure_class"])
+        if t.user_attrs.get("message"):
+            tags["message"] = _tag_value(str(t.user_attrs["message"]))
+        for k in ("retry_of", "enqueued"):
+            if k in t.user_attrs:
+                tags[k] = _tag_value(t.user_attrs[k])
+        missed = [k for k, v in t.constraints.items() if v > 0]
+        if missed:
+            tags["slo_missed"] = _tag_value(", ".join(missed))
+        tags[_NOTE_TAG] = _tag_value(
+            f"**{tags['state']}** ({tags['class']})\n\n"
+            + "\n".join(f"- {line}" for line in diagnose(t, self._trace_stats()))
+        )
+        return tags
+
+    def _trace_stats(self) -> dict[str, Any] | None:
+        trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
+        stats = trace.get("stats")
+        return stats if isinstance(stats, dict) else None
+
+    def _trial_artifacts(self, t: FrozenTrial, run: _Run) -> str:
+        folder = self.target.out / "trials" / f"{t.number:04d}"
+        attempts = sorted(
+            (p for p in folder.glob("attempt-*") if p.is_dir()),
+            key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name[8:].isdigit() else -1,
+        )
+        if not attempts:
+            return "none"
+        last = attempts[-1]
+        logged = False
+        for name in ("records.jsonl.gz", "engine.log", "result.json"):
+            path = last / name
+            if path.is_file():
+                self.client.log_artifact(run.run_id, str(path))
+                logged = True
+        log_path = Path(str(t.user_attrs.get("log_path") or ""))
+        if log_path.name and log_path.is_file() and log_path.parent != last:
+            self.client.log_artifact(run.run_id, str(log_path), "engine")
+        records = last / "records.jsonl.gz"
+        if records.is_file():
+            with tempfile.TemporaryDirectory() as tmp:
+                png = Path(tmp) / "latency_cdf.png"
+                if _latency_cdf(records, png):
+                    self.client.log_artifact(run.run_id, str(png), "plots")
+        return "uploaded" if logged else "none"
+
+    def sync_parent_inputs(self) -> None:
+        """The job, search space and trace description (once per parent run)."""
+        self.connect()
+        assert self.parent is not None
+        folder = self.target.out / REVIEW_DIR
+        meta = _read_json(folder / "mlflow.json")
+        plan = _read_json(self.target.out / "plan.json")
+        params = {
+            "sampler": self.target.sampler,
+            "model": str(meta.get("model") or ""),
+            "search_space": str(meta.get("search_space") or ""),
+            "objectives": ", ".join(plan.get("objectives", [])),
+            "slos": ", ".join(plan.get("slos", [])),
+            "trace": Path(str(plan.get("trace") or "")).name,
+            "vllm": str(plan.get("vllm") or ""),
+        }
+        self._log(
+            self.parent,
+            params={k: _param_value(v) for k, v in params.items() if v},
+            tags={"storage": _redact(self.target.storage_url)},
+        )
+        if self.parent.tags.get(_INPUTS_TAG) == "uploaded":
+            return
+        inputs = [folder / n for n in ("job.yaml", "search_space.yaml", "trace.json")]
+        present = [p for p in inputs if p.is_file()]
+        for p in present:
+            self.client.log_artifact(self.parent.run_id, str(p), "inputs")
+        if present:
+            self._log(self.parent, tags={_INPUTS_TAG: "uploaded"})
+
+    def sync_front(self, *, finished: bool | None = None) -> set[int]:
+        """Re-tag children as the front changes; log progress metrics and the review files.
+
+        Args:
+            finished: Whether the study is over (parent run FINISHED) or still running; None
+                infers it from the trials (none running: finished).
+        """
+        self.connect()
+        assert self.parent is not None
+        study = self.study()
+        trials = study.get_trials(deepcopy=False)
+        front = _front(study)
+        for number, run in self.children.items():
+            want = str(number in front).lower()
+            if run.tags.get("pareto") != want:
+                self._log(run, tags={"pareto": want})
+        self._progress(study, trials, front)
+        digest = hashlib.sha256(
+            json.dumps(
+                [
+                    (t.number, t.state.name, t.values, _status(t), sorted(t.constraints.items()))
+                    for t in trials
+                ],
+                default=str,
+            ).encode()
+        ).hexdigest()[:16]
+        if self.parent.tags.get(_DIGEST_TAG) != digest:
+            self._parent_artifacts(study, front)
+            self._log(
+                self.parent,
+                tags={
+                    _DIGEST_TAG: digest,
+                    "pareto_trials": ",".join(str(n) for n in sorted(front)),
+                    "trials": str(len(trials)),
+                },
+            )
+        running = any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
+        if finished is None:
+            finished = not running
+        want_status = "FINISHED" if finished else "RUNNING"
+        if self.parent.status != want_status:
+            if want_status == "FINISHED":
+                self.client.set_terminated(self.parent.run_id, "FINISHED")
+            else:
+                self.client.update_run(self.parent.run_id, status="RUNNING")
+            self.parent.status = want_status
+        return front
+
+    def _progress(self, study: optuna.Study, trials: list[FrozenTrial], front: set[int]) -> None:
+        """Per finished trial (step = trial number): hypervolume, front size, bests."""
+        assert self.parent is not None
+        hv = hypervolume_history(trials, list(study.directions))
+        history = self.client.get_metric_history(self.parent.run_id, "trials_done")
+        logged = {int(m.step) for m in history}
+        names = _metric_names(study)
+        done = sorted(
+            (t for t in trials if t.state == TrialState.COMPLETE and t.datetime_complete),
+            key=lambda t: (t.datetime_complete, t.number),
+        )
+        metrics: list[Metric] = []
+        for k, t in enumerate(done):
+            if t.number in logged:
+                continue
+            seen = done[: k + 1]
+            feasible = [x for x in seen if _feasible(x) and _measured(x)]
+            ts = _ms(t.datetime_complete) or int(time.time() * 1000)
+            values = {"trials_done": float(k + 1), "feasible_trials": float(len(feasible))}
+            if t.number in hv:
+                values["hypervolume"] = hv[t.number]
+            for i, (name, d) in enumerate(zip(names, study.directions, strict=True)):
+                vals = [x.values[i] for x in feasible if x.values]
+                if vals:
+                    best = min(vals) if d == optuna.study.StudyDirection.MINIMIZE else max(vals)
+                    values[f"best_{name}"] = best
+            metrics += [Metric(key, v, ts, t.number) for key, v in values.items()]
+        for i in range(0, len(metrics), _BATCH):
+            self.client.log_batch(self.parent.run_id, metrics=metrics[i : i + _BATCH])
+        if metrics:
+            self.parent.metrics.update({m.key: m.value for m in metrics})
+
+    def _parent_artifacts(self, study: optuna.Study, front: set[int]) -> None:
+        assert self.parent is not None
+        doc = _front_doc(study)
+        importances = _importances(study)
+        plan = _read_json(self.target.out / "plan.json")
+        trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
+        hv = hypervolume_history(study.get_trials(deepcopy=False), list(study.directions))
+        report = _report_md(study, doc, front, hv, importances, plan, trace)
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            pareto = root / "pareto"
+            pareto.mkdir()
+            (pareto / "front.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+            (pareto / "front.csv").write_text(_front_csv(study, doc))
+            try:
+                _plot_front(study, front, pareto)
+            except Exception as exc:  # a plot must never stop the review
+                _log.warning("MLflow: Pareto plots failed: %s", exc)
+            (root / "importance.json").write_text(
+                json.dumps(importances, indent=2, default=str) + "\n"
+            )
+            (root / "report.md").write_text(report)
+            if plan:
+                for key in ("storage",):
+                    if isinstance(plan.get(key), str):
+                        plan[key] = _redact(plan[key])
+                (root / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
+            self.client.log_artifacts(self.parent.run_id, str(root))
+        self._log(self.parent, tags={_NOTE_TAG: _tag_value(report)})
+
+    def sync_all(self) -> SyncSummary:
+        """Every finished trial, then the front and the parent's review files."""
+        self.connect()
+        assert self.parent is not None and self.experiment_id is not None
+        self.sync_parent_inputs()
+        study = self.study()
+        trials = study.get_trials(deepcopy=False)
+        front = _front(study)
+        existed = 0
+        for t in trials:
+            if t.state in (TrialState.RUNNING, TrialState.WAITING):
+                continue
+            if not self.sync_trial(t, front):
+                existed += 1
+        front = self.sync_front()
+        return SyncSummary(
+            experiment_id=self.experiment_id,
+            parent_run_id=self.parent.run_id,
+            trials=len(trials),
+            created=self.created,
+            updated=existed,
+            duplicates_deleted=self.duplicates_deleted,
+            front=tuple(sorted(front)),
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# --- the live tracker ----------------------------------------------------------------------------
+
+
+_STOP = object()
+
+
+class Tracker:
+    """Logs a running study to MLflow from a background thread.
+
+    :meth:`on_event` only puts the event on a queue, so the driver never waits for MLflow. The
+    thread coalesces pending work (trials to log, front to refresh), retries failures with
+    exponential backoff up to ``max_backoff_s`` between attempts, and keeps what it could not
+    log; :meth:`close` waits a bounded time, after which ``vllm-autotune mlflow-sync`` logs the
+    rest from the Optuna storage.
+
+    Args:
+        target: Study and MLflow experiment.
+        base_backoff_s: First wait after a failure.
+        max_backoff_s: Longest wait between attempts.
+        close_timeout_s: How long :meth:`close` waits for the queue to drain.
+        give_up_after: Consecutive failures after which :meth:`close` stops waiting.
+    """
+
+    def __init__(
+        self,
+        target: TrackingTarget,
+        *,
+        base_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        close_timeout_s: float = 60.0,
+        give_up_after: int = 3,
+    ) -> None:
+        _bound_http_retries()
+        self.target = target
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.close_timeout_s = close_timeout_s
+        self.give_up_after = give_up_after
+        self.failures = 0
+        self.last_error = ""
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._abandon = threading.Event()
+        self._idle = threading.Event()
+        self._closed = False
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self._syncer: _Syncer | None = None
+        self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+        self._queue.put(("inputs", None))
+
+    @property
+    def pending(self) -> set[int]:
+        """Trial numbers not (yet) logged."""
+        with self._lock:
+            return set(self._pending)
+
+    def on_event(self, event: StudyEvent) -> None:
+        """Queue a driver event; never blocks, never raises."""
+        if event.kind in ("finished", "rejected", "stale"):
+            self._idle.clear()
+            self._queue.put(("trial", event.number))
+
+    def finish(self, study: optuna.Study | None = None) -> bool:
+        """Queue the final refresh (parent marked finished), then :meth:`close`.
+
+        Returns:
+            True when everything was logged.
+        """
+        if not self._closed:
+            self._idle.clear()
+            self._queue.put(("finish", None))
+        return self.close()
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Drain the queue for at most ``timeout_s`` (default ``close_timeout_s``); idempotent.
+
+        Returns early when MLflow failed ``give_up_after`` times in a row. Whatever is left is
+        named in a warning with the command that logs it later.
+
+        Returns:
+            True when everything was logged.
+        """
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            if self.failures >= self.give_up_after:
+                break
+            self._thread.join(0.1)
+        left = self.pending
+        ok = not self._thread.is_alive() and not left and self.failures == 0
+        if self._thread.is_alive():
+            self._abandon.set()
+            self._thread.join(1.0)
+        if not ok:
+            _log.warning(
+                "MLflow: %s not fully logged (%s); the Optuna storage has everything: run "
+                "`vllm-autotune mlflow-sync %s`",
+                f"trials {sorted(left)}" if left else "the study",
+                self.last_error or "timed out",
+                _relative(self.target.out),
+            )
+        return ok
+
+    def _run(self) -> None:
+        inputs = finish = front = stopping = False
+        while not self._abandon.is_set():
+            busy = bool(inputs or finish or front or self._pending)
+            items: list[Any] = []
+            try:
+                items.append(self._queue.get(timeout=0.05 if busy else 0.5))
+                while True:
+                    items.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            for it in items:
+                if it is _STOP:
+                    stopping = True
+                elif it[0] == "trial":
+                    with self._lock:
+                        self._pending.add(int(it[1]))
+                    front = True
+                elif it[0] == "finish":
+                    finish = front = True
+                elif it[0] == "inputs":
+                    inputs = True
+            if not (inputs or finish or front or self._pending):
+                self._idle.set()
+                if stopping:
+                    return
+                continue
+            try:
+                syncer = self._syncer or _Syncer(self.target)
+                self._syncer = syncer
+                syncer.connect()
+                if inputs:
+                    syncer.sync_parent_inputs()
+                    inputs = False
+                if self._pending:
+                    study = syncer.study()
+                    trials = study.get_trials(deepcopy=False)
+                    current = _front(study)
+                    for number in sorted(self.pending):
+                        if number < len(trials):
+                            syncer.sync_trial(trials[number], current)
+                        with self._lock:
+                            self._pending.discard(number)
+                if front or finish:
+                    syncer.sync_front(finished=finish)
+                    front = finish = False
+                self.failures = 0
+                self.last_error = ""
+            except Exception as exc:
+                # Start over from the tags next time: a call that failed may still have
+                # created a run, and a fresh search finds it instead of creating another.
+                self._syncer = None
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if self.failures == 1 or self.failures % 10 == 0:
+                    _log.warning(
+                        "MLflow at %s: %s (attempt %d; trials keep running, retrying)",
+                        _redact(self.target.tracking_uri),
+                        self.last_error,
+                        self.failures,
+                    )
+                delay = min(self.base_backoff_s * 2 ** (self.failures - 1), self.max_backoff_s)
+                self._abandon.wait(delay)
+
+
+def tracker_for_plan(plan: StudyPlan, *, enabled: bool = True, **options: Any) -> Tracker | None:
+    """A :class:`Tracker` for a prepared study, or None when MLflow is off for it.
+
+    Writes the review inputs (job, search space, trace statistics, MLflow target) to
+    ``<out>/review`` so ``mlflow-sync`` can rebuild the same view later. Contacts nothing.
+
+    Args:
+        plan: The prepared plan.
+        enabled: False turns tracking off (``--no-mlflow``).
+        **options: Passed to :class:`Tracker` (backoff and close timeouts).
+    """
+    if not enabled or not plan.job.mlflow.enabled:
+        return None
+    target = _target_from_plan(plan)
+    _write_review_inputs(plan, target)
+    return Tracker(target, **options)
+
+
+def sync_study(
+    study_dir: str | Path,
+    *,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+) -> SyncSummary:
+    """(Re)build the MLflow view of a study folder from its Optuna storage; idempotent.
+
+    Existing runs are found by their tags and updated, missing ones created, duplicates
+    deleted. The target is the one the study was tuned with (``review/mlflow.json``), else the
+    folder's local store; either can be overridden.
+
+    Args:
+        study_dir: A study folder written by ``tune`` (holds ``plan.json``).
+        tracking_uri: Log here instead.
+        experiment: Experiment name instead.
+
+    Returns:
+        What was done.
+
+    Raises:
+        ConfigError: Not a study folder.
+    """
+    _bound_http_retries()
+    folder = Path(study_dir).resolve()
+    plan = _read_json(folder / "plan.json")
+    if not plan.get("study") or not plan.get("storage"):
+        raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
+    meta = _read_json(folder / REVIEW_DIR / "mlflow.json")
+    uri = tracking_uri or meta.get("tracking_uri") or local_tracking_uri(folder)
+    local = "://" not in uri or uri.startswith(("sqlite:", "file:"))
+    root = meta.get("artifact_root")
+    target = TrackingTarget(
+        study=str(plan["study"]),
+        storage_url=str(plan["storage"]),
+        out=folder,
+        tracking_uri=uri,
+        experiment=experiment or meta.get("experiment") or str(plan["study"]),
+        sampler=str(meta.get("sampler") or ""),
+        artifact_root=(Path(root) if root and not tracking_uri else folder / "mlartifacts")
+        if local
+        else None,
+    )
+    return _Syncer(target).sync_all()
