@@ -751,6 +751,13 @@ def cmd_export(ns: argparse.Namespace) -> int:
     )
     study.set_user_attr("exports", exports)
     console.print(f"wrote {path}")
+    if saved["job"].get("mlflow", {}).get("enabled", True):
+        from optimizer.tracking import log_export
+
+        if log_export(
+            folder, trial=chosen.number, fmt=ns.format, path=path, policy=policy, gain=gain
+        ):
+            console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "diagnose",
     "hypervolume_history",
     "local_tracking_uri",
+    "log_export",
     "sync_study",
     "tracker_for_plan",
     "ui_command",
@@ -1443,6 +1444,12 @@ def sync_study(
     Raises:
         ConfigError: Not a study folder.
     """
+    return _Syncer(_target_for_dir(study_dir, tracking_uri, experiment)).sync_all()
+
+
+def _target_for_dir(
+    study_dir: str | Path, tracking_uri: str | None, experiment: str | None
+) -> TrackingTarget:
     _bound_http_retries()
     folder = Path(study_dir).resolve()
     plan = _read_json(folder / "plan.json")
@@ -1463,4 +1470,46 @@ def sync_study(
         if local
         else None,
     )
-    return _Syncer(target).sync_all()
+    return target
+
+
+def log_export(
+    study_dir: str | Path,
+    *,
+    trial: int,
+    fmt: str,
+    path: str | Path,
+    policy: str,
+    gain: str,
+) -> bool:
+    """Record an export on the study's MLflow parent run and tag the exported trial's run.
+
+    The export file becomes an artifact of the parent run (``exports/``), the parent gets
+    ``exported.<format>`` = trial, and the trial's child run gets ``exported`` = format. Never
+    raises for MLflow trouble: the export itself already succeeded.
+
+    Returns:
+        True when MLflow took it.
+    """
+    try:
+        syncer = _Syncer(_target_for_dir(study_dir, None, None))
+        syncer.connect()
+        if trial not in syncer.children:
+            syncer.sync_all()
+        assert syncer.parent is not None
+        client = syncer.client
+        client.log_artifact(syncer.parent.run_id, str(path), artifact_path="exports")
+        client.set_tag(syncer.parent.run_id, f"exported.{fmt}", str(trial))
+        client.set_tag(syncer.parent.run_id, f"exported.{fmt}.gain", gain[:_MAX_TAG])
+        client.set_tag(syncer.parent.run_id, f"exported.{fmt}.policy", policy)
+        child = syncer.children.get(trial)
+        if child is not None:
+            client.set_tag(child.run_id, "exported", fmt)
+    except Exception as exc:
+        _log.warning(
+            "could not log the export to MLflow (%s); `vllm-autotune mlflow-sync` "
+            "rebuilds the view later",
+            exc,
+        )
+        return False
+    return True

@@ -224,3 +224,40 @@ def test_export_cli_writes_file_with_header(
         if k not in ("load-format",):
             assert body[k] == v
     assert "not re-validated" in out.read_text()
+
+
+def test_export_is_logged_to_the_studys_mlflow_parent_run(study_dir: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from optimizer.cli import main
+    from optimizer.tracking import local_tracking_uri
+
+    out = tmp_path / "k8s.yaml"
+    assert (
+        main(
+            [
+                "export",
+                str(study_dir),
+                "--format",
+                "kubernetes",
+                "--policy",
+                "min-tpot",
+                "--no-validate",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    client = MlflowClient(tracking_uri=local_tracking_uri(study_dir))
+    exp = client.get_experiment_by_name("fake")
+    runs = client.search_runs([exp.experiment_id], "tags.`vllm_autotune.role` = 'study'")
+    assert len(runs) == 1
+    parent = runs[0]
+    chosen = int(parent.data.tags["exported.kubernetes"])
+    assert parent.data.tags["exported.kubernetes.policy"] == "min-tpot"
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "exports")] == [
+        "exports/k8s.yaml"
+    ]
+    child = client.search_runs([exp.experiment_id], f"tags.`vllm_autotune.trial` = '{chosen}'")[0]
+    assert child.data.tags["exported"] == "kubernetes"
