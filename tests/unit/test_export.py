@@ -256,8 +256,7 @@ def test_export_is_logged_to_the_studys_mlflow_parent_run(study_dir: Path, tmp_p
     parent = runs[0]
     chosen = int(parent.data.tags["exported.kubernetes"])
     assert parent.data.tags["exported.kubernetes.policy"] == "min-tpot"
-    assert [a.path for a in client.list_artifacts(parent.info.run_id, "exports")] == [
-        "exports/k8s.yaml"
-    ]
+    exported = [a.path for a in client.list_artifacts(parent.info.run_id, "exports")]
+    assert "exports/k8s.yaml" in exported
     child = client.search_runs([exp.experiment_id], f"tags.`vllm_autotune.trial` = '{chosen}'")[0]
     assert child.data.tags["exported"] == "kubernetes"
