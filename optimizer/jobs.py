@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import threading
 import time
 import traceback
@@ -599,7 +600,7 @@ class StudyHost:
                     with contextlib.suppress(Exception):
                         tracker.on_event(ev)
 
-            driver = StudyDriver(plan, runner, on_event=on_event)
+            driver = _create_driver(lambda: StudyDriver(plan, runner, on_event=on_event))
             if self._until is not None:
                 until = datetime.fromtimestamp(self._until)
                 driver.deadline = min(driver.deadline, until) if driver.deadline else until
@@ -665,6 +666,18 @@ class StudyHost:
         import os
 
         return os.getpid()
+
+
+def _create_driver(make: Callable[[], Any], attempts: int = 3) -> Any:
+    """Create a StudyDriver, retrying when another process initializes the storage at once."""
+    for attempt in range(attempts):
+        try:
+            return make()
+        except sa.exc.SQLAlchemyError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(1.0 + attempt)
+    raise AssertionError("unreachable")
 
 
 class _ClusterLossGuard:
@@ -933,6 +946,9 @@ class Scheduler:
             "budget_left_s": status.budget_left_s,
             "last_event": status.last_event,
             "updated_at": now,
+            # A running driver has created the study's storage: from now on readers are safe.
+            "storage_ready": bool(rec.progress.get("storage_ready"))
+            or status.state in ("running", "done", "cancelled"),
         }
         if status.final:
             state = status.state if status.state in FINAL_STATES else "failed"
@@ -1114,6 +1130,20 @@ class JobService:
             SubmissionRefused: A file outside the allowed roots, or an oversize upload.
         """
         job_id = uuid.uuid4().hex[:12]
+        upload_dir = self.data_dir / "uploads" / job_id
+        try:
+            return self._submit(job_id, upload_dir, sub, upload)
+        except BaseException:
+            shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
+            raise
+
+    def _submit(
+        self,
+        job_id: str,
+        upload_dir: Path,
+        sub: Submission,
+        upload: tuple[str, bytes] | None,
+    ) -> tuple[JobRecord, list[str]]:
         doc = json.loads(json.dumps(sub.job, default=str))
         notes: list[str] = []
         if sub.trace_upload is not None:
@@ -1122,7 +1152,6 @@ class JobService:
             except (binascii.Error, ValueError) as exc:
                 raise ConfigError(f"trace_upload.content_b64: not valid base64 ({exc})") from exc
             upload = (sub.trace_upload.filename, data)
-        upload_dir = self.data_dir / "uploads" / job_id
         if upload is not None:
             name, data = upload
             if len(data) > self.settings.max_upload_bytes:
@@ -1243,16 +1272,26 @@ class JobService:
             return self._storages[url]
 
     def study(self, rec: JobRecord) -> optuna.Study | None:
-        """The job's Optuna study, or None before its driver created it."""
+        """The job's Optuna study, or None before its driver created it.
+
+        The API never opens a storage its driver may still be initializing: two processes
+        creating Optuna's schema at once make one of them fail. A storage is read once a
+        driver has reported running (``storage_ready``), or when the job has ended.
+        """
         url = rec.storage_url
         if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists():
             return None
-        if rec.started_at is None and rec.state == "queued":
+        ready = bool(rec.progress.get("storage_ready"))
+        if not ready and not (rec.state in FINAL_STATES and rec.started_at is not None):
             return None
         try:
             return optuna.load_study(study_name=rec.name, storage=self._storage(url))
         except KeyError:
             return None
+        except Exception:
+            if ready:
+                raise
+            return None  # a job that failed while creating its storage
 
     def detail(self, job_id: str) -> dict[str, Any]:
         """Status, progress, budget, trials and the front with the baseline and gains."""

@@ -39,19 +39,25 @@ class ServiceClient:
         server: Base URL, e.g. ``http://127.0.0.1:8000``.
         token: Bearer token.
         timeout_s: Per-request timeout (exports with re-validation take long: raise it).
+        http: An ``httpx.Client`` to use instead (tests pass FastAPI's TestClient).
     """
 
-    def __init__(self, server: str, token: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, server: str, token: str, *, timeout_s: float = 60.0, http: Any = None
+    ) -> None:
         import httpx
 
-        self._http = httpx.Client(
-            base_url=server.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-        )
+        self.server = server.rstrip("/")
+        self._http = http or httpx.Client(base_url=self.server, timeout=httpx.Timeout(timeout_s))
+        self._auth = {"Authorization": f"Bearer {token}"}
 
     def _call(self, method: str, url: str, **kwargs: Any) -> Any:
-        r = self._http.request(method, url, **kwargs)
+        import httpx
+
+        try:
+            r = self._http.request(method, url, headers=self._auth, **kwargs)
+        except httpx.TransportError as exc:
+            raise ConfigError(f"cannot reach the service at {self.server}: {exc}") from exc
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)

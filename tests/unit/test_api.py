@@ -158,7 +158,15 @@ def test_study_view_trial_cancel_and_export(
     r = client.post(f"/v1/studies/{job_id}/export?format=vllm-config", headers=AUTH)
     assert r.status_code == 409
     service.scheduler.tick()
+    # While its driver starts (and creates the storage), the API does not open the storage.
+    from optimizer.jobs import DriverStatus
+
+    launcher.drivers[job_id] = DriverStatus("starting")
+    service.scheduler.tick()
     fake_study(service, job_id)
+    assert client.get(f"/v1/studies/{job_id}", headers=AUTH).json()["trials_detail"] == []
+    launcher.drivers[job_id] = DriverStatus("running", remaining=0)
+    service.scheduler.tick()
     view = client.get(f"/v1/studies/{job_id}", headers=AUTH).json()
     assert view["state"] == "running"
     assert view["job"]["engine"]["env"] == {"HF_TOKEN": "***", "VLLM_LOGGING_LEVEL": "INFO"}
@@ -242,3 +250,26 @@ def test_rayservice_manifest_deploys_this_app_with_valid_settings(
     env = {e["name"]: e for e in head["env"]}
     for name in ("VLLM_AUTOTUNE_TOKENS", "VLLM_AUTOTUNE_DATABASE", "VLLM_AUTOTUNE_STORAGE"):
         assert "secretKeyRef" in env[name]["valueFrom"]
+
+
+def test_the_thin_client_round_trip(client: TestClient, service: JobService) -> None:
+    from optimizer.service_cli import ServiceClient
+
+    c = ServiceClient("http://testserver", "good-token", http=client)
+    sid = c.submit(job_doc("via-client"))["id"]
+    uploaded = c.submit(job_doc("with-trace"), trace=TRACE, until="2031-01-01T07:00:00")
+    assert Path(service.get(uploaded["id"]).job["trace"]["path"]).name == TRACE.name
+    assert [s["name"] for s in c.list()] == ["via-client", "with-trace"]
+    service.scheduler.tick()
+    service.scheduler.tick()
+    fake_study(service, sid)
+    assert c.get(sid)["baseline"]["number"] == 0
+    assert c.trial(sid, 1)["engine_args"]["max-num-seqs"] == 16
+    text, name = c.export(sid, "helm", policy="knee")
+    assert name == f"{sid}-helm-values.yaml" and "servingEngineSpec" in text
+    assert c.cancel(uploaded["id"])["state"] == "cancelled"
+    with pytest.raises(ConfigError, match="answered 404"):
+        c.get("nope")
+    bad = ServiceClient("http://testserver", "wrong", http=client)
+    with pytest.raises(ConfigError, match="answered 401"):
+        bad.list()

@@ -325,3 +325,27 @@ def test_tokens_and_redaction(tmp_path: Path) -> None:
     }
     assert doc["storage"] == "postgresql+psycopg2://u:***@db:5432/autotune"
     assert redact_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_a_refused_upload_leaves_no_file(tmp_path: Path) -> None:
+    svc = make_service(tmp_path)
+    up = {"filename": "t.csv", "content_b64": base64.b64encode(b"x,y\n").decode()}
+    with pytest.raises(ConfigError):
+        svc.submit(Submission(job=job_doc(sampler={"nmae": 1}), trace_upload=up))  # type: ignore[arg-type]
+    assert not any((tmp_path / "data" / "uploads").glob("*/*"))
+
+
+def test_driver_creation_retries_a_storage_initialized_concurrently() -> None:
+    import sqlalchemy as sa
+
+    from optimizer.jobs import _create_driver
+
+    calls = []
+
+    def make() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise sa.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception("unique"))
+        return "driver"
+
+    assert _create_driver(make) == "driver" and len(calls) == 2
