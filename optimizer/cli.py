@@ -949,6 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
     p.set_defaults(func=cmd_mlflow_sync)
+    from optimizer.service_cli import register as register_service
+
+    register_service(sub)
     return parser
 
 
