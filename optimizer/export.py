@@ -249,6 +249,7 @@ def validate_choice(
     values: Callable[[Mapping[str, float]], list[float]],
     feasible: Callable[[Mapping[str, float]], bool],
     runs: int = 3,
+    retries: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> Validation:
     """Re-run the chosen configuration and the baseline ``runs`` times each, alternating.
@@ -263,6 +264,7 @@ def validate_choice(
         values: Summary -> objective values.
         feasible: Summary -> all SLOs met.
         runs: Re-runs of each.
+        retries: Extra attempts for a run whose replay could not keep its schedule.
         progress: Called with a line per finished run.
     """
     val = Validation(
@@ -277,7 +279,12 @@ def validate_choice(
             ("baseline", baseline_args, val.baseline),
             ("chosen", chosen_args, val.chosen),
         ):
-            result = run(make_spec(label, args, k))
+            # A replay the client could not keep on schedule is re-run, never scored (as in
+            # the study); each attempt gets fresh prompts.
+            for attempt in range(retries + 1):
+                result = run(make_spec(label, args, k + 100 * attempt))
+                if result.status is not TrialStatus.INVALID_REPLAY:
+                    break
             ok = result.status is TrialStatus.COMPLETE
             if ok:
                 for m, v in zip(metrics, values(result.summary), strict=True):

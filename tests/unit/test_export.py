@@ -260,3 +260,39 @@ def test_export_is_logged_to_the_studys_mlflow_parent_run(study_dir: Path, tmp_p
     assert "exports/k8s.yaml" in exported
     child = client.search_runs([exp.experiment_id], f"tags.`vllm_autotune.trial` = '{chosen}'")[0]
     assert child.data.tags["exported"] == "kubernetes"
+
+
+def test_validation_reruns_invalid_replays_instead_of_counting_them_as_failures() -> None:
+    calls: list[int] = []
+
+    def make_spec(label: str, args: dict[str, Any], k: int) -> TrialSpec:
+        return TrialSpec(
+            number=k,
+            engine=EngineConfig("m", {"label": label}),
+            trace=Trace((TraceRequest(0.0, 1, 1),)),
+            workdir=f"w{k}",
+            token_range=(0, 1),
+        )
+
+    def run(spec: TrialSpec) -> TrialResult:
+        calls.append(spec.number)
+        if spec.number < 100:  # every first attempt: the client fell behind
+            return TrialResult(number=0, status=TrialStatus.INVALID_REPLAY, message="lag")
+        return TrialResult(
+            number=0, status=TrialStatus.COMPLETE, summary={"output_throughput": 10.0}
+        )
+
+    val = ex.validate_choice(
+        run,
+        make_spec,
+        {},
+        {},
+        metrics=["output_throughput"],
+        directions=[StudyDirection.MAXIMIZE],
+        values=lambda s: [s["output_throughput"]],
+        feasible=lambda s: True,
+        runs=2,
+    )
+    assert not val.slo_failures
+    assert val.chosen["output_throughput"] == [10.0, 10.0]
+    assert calls == [0, 100, 0, 100, 1, 101, 1, 101]
