@@ -820,7 +820,7 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
     itself from ``--request-rate`` (Poisson, or gamma with ``--burstiness``). A cross-check
     therefore replays the same requests at the same mean request rate and burstiness, which
     is what the returned arguments say. vLLM applies the model's chat template to custom
-    prompts unless ``--custom-skip-chat-template`` is given, and shuffles them, so pass the
+    prompts unless ``--skip-chat-template`` is given, and shuffles them, so pass the
     returned arguments unchanged to keep the prompts (and their lengths) as written.
 
     Args:
@@ -853,7 +853,11 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
         str(len(trace)),
         "--custom-output-len",
         "-1",
-        "--custom-skip-chat-template",
+        # vLLM >= 0.30 spells it --skip-chat-template (older: --custom-skip-chat-template).
+        "--skip-chat-template",
+        # Same order as the trace, and exactly the trace's output lengths.
+        "--disable-shuffle",
+        "--ignore-eos",
         "--request-rate",
         repr(rate) if rate > 0 else "inf",
     ]

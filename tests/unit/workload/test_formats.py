@@ -760,7 +760,8 @@ def test_export_vllm_custom_prompts_have_exact_lengths_and_shared_prefixes(
     assert args[args.index("--dataset-path") + 1] == str(path)
     assert args[args.index("--num-prompts") + 1] == "5"
     assert float(args[args.index("--request-rate") + 1]) == pytest.approx(4 / 6)
-    assert "--custom-skip-chat-template" in args
+    assert "--skip-chat-template" in args
+    assert "--disable-shuffle" in args and "--ignore-eos" in args
     assert args[args.index("--custom-output-len") + 1] == "-1"
     # Read back as vllm-custom: exact lengths, no timing.
     back, report = read_trace(path)
