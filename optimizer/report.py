@@ -65,6 +65,15 @@ def _feasible(trial: FrozenTrial) -> bool:
     return all(v <= 0 for v in trial.constraints.values())
 
 
+def _measured(trial: FrozenTrial) -> bool:
+    """True when the trial's values were measured over its whole replay.
+
+    Failed, early-stopped (infeasible) and rejected trials are told placeholder worst values so
+    the sampler avoids them; those are no measurement and are never shown or compared against.
+    """
+    return bool(trial.user_attrs.get("status", "complete") == "complete")
+
+
 def _baseline(study: optuna.Study) -> FrozenTrial | None:
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     return next((t for t in done if t.user_attrs.get("baseline")), None)
@@ -79,15 +88,13 @@ def front_rows(study: optuna.Study) -> list[FrontRow]:
     for t in ([base] if base else []) + sorted(front, key=lambda t: t.number):
         if t is None or (t is not base and base is not None and t.number == base.number):
             continue
-        values = tuple(float(v) for v in (t.values or ()))
+        values = tuple(float(v) if _measured(t) else math.nan for v in (t.values or ()))
+        base_values = (
+            base.values if base and base.values and _measured(base) else [math.nan] * len(values)
+        )
         gains: tuple[float | None, ...] = tuple(
             gain_pct(v, b, d)
-            for v, b, d in zip(
-                values,
-                base.values if base and base.values else [math.nan] * len(values),
-                study.directions,
-                strict=False,
-            )
+            for v, b, d in zip(values, base_values, study.directions, strict=False)
         )
         args = _args(t)
         changed = {k: v for k, v in args.items() if base_args.get(k) != v}
@@ -121,16 +128,20 @@ def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs ba
         arrow = "↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑"
         table.add_column(f"{name} {arrow}", justify="right")
     table.add_column("changed vs baseline", overflow="fold")
+    base = _baseline(study)
     for row in front_rows(study):
         cells = []
         for v, g in zip(row.values, row.gains_pct, strict=True):
-            text = f"{v:,.1f}"
+            text = "-" if math.isnan(v) else f"{v:,.1f}"
             if not row.baseline and g is not None:
                 text += f" ({g:+.0f}%)"
             cells.append(text)
         label = f"{row.number} (baseline)" if row.baseline else str(row.number)
         if row.baseline and not row.feasible:
             label += " ✗SLO"
+            if all(math.isnan(v) for v in row.values):
+                status = base.user_attrs.get("status", "-") if base is not None else "-"
+                label += f" ({status})"
         changed = ", ".join(f"{k}={v}" for k, v in sorted(row.changed.items())) or "-"
         table.add_row(label, *cells, changed if not row.baseline else "vLLM defaults")
     return table
@@ -202,5 +213,5 @@ def status_table(study: optuna.Study) -> Table:
             detail = ", ".join(
                 f"{k}={v}" for k, v in sorted(args.items()) if k not in ("load-format",)
             )
-        table.add_row(str(t.number), status, *vals, slo, detail[:120])
+        table.add_row(str(t.number), status, *vals, slo, detail)
     return table
