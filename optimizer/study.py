@@ -38,7 +38,7 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from objectives import ObjectiveSet, load_objectives
+from objectives import FAILED_CONSTRAINT, ObjectiveSet, load_objectives
 from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.errors import ConfigError
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
@@ -655,6 +655,20 @@ class StudyDriver:
             self.study.tell(trial, objectives.values(result.summary))
         elif result.status is TrialStatus.INVALID_REPLAY:
             self.study.tell(trial, state=TrialState.FAIL)
+        elif result.status is TrialStatus.INFEASIBLE and result.summary and objectives.slos:
+            # Stopped early: the partial evidence says how far each SLO was from being met, so
+            # the sampler can tell "6 % over" from "4x over" (values stay worst-case: a
+            # partial window is not comparable with a full one).
+            margins = [
+                m if math.isfinite(m) else FAILED_CONSTRAINT
+                for m in objectives.constraints(result.summary)
+            ]
+            if max(margins) <= 0:
+                # The stop rule saw the miss coming before the partial percentiles did.
+                margins = [max(m, 1e-3) for m in margins]
+            for slo, margin in zip(objectives.slos, margins, strict=True):
+                trial.set_constraint(str(slo), margin)
+            self.study.tell(trial, objectives.worst())
         else:
             self._tell_failure(trial, result.status, result.message, record=False)
 

@@ -56,6 +56,23 @@ class FakeRunner:
                     message="kv too small",
                 ),
             )
+        if args.get("max-num-batched-tokens") == 1024:
+            # Stopped early: TTFT far over its SLO in the partial window.
+            return FakeHandle(
+                spec,
+                TrialResult(
+                    number=spec.number,
+                    status=TrialStatus.INFEASIBLE,
+                    message="SLO out of reach",
+                    summary={
+                        "p95_ttft_ms": 1600.0,
+                        "p95_tpot_ms": 5.0,
+                        "output_throughput": 3.0,
+                        "error_rate": 0.0,
+                        "completed": 4,
+                    },
+                ),
+            )
         if self.fail_replay_once and spec.workdir.endswith("attempt-0"):
             return FakeHandle(
                 spec,
@@ -258,3 +275,26 @@ def test_job_typos_name_the_key_and_the_fix(tmp_path: Path) -> None:
         load_job(bad, base=tmp_path)
     with pytest.raises(ConfigError, match="budget"):
         load_job(_job(tmp_path, budget="soon"), base=tmp_path)
+
+
+def test_early_stopped_trial_reports_its_measured_slo_margins(tmp_path: Path) -> None:
+    space = {
+        "name": "t",
+        "params": {
+            "max-num-batched-tokens": {"type": "categorical", "choices": [1024]},
+        },
+    }
+    study = _driver(
+        tmp_path,
+        FakeRunner(),
+        search_space=space,
+        trials=2,
+        objectives={"preset": "default", "slos": ["p95_ttft_ms<=400", "p95_tpot_ms<=50"]},
+    ).run()
+    stopped = study.get_trials()[1]
+    assert stopped.user_attrs["status"] == "infeasible"
+    # 1600 ms against 400 ms: 3x over; TPOT 5 ms against 50 ms: met (negative margin).
+    assert stopped.constraints["p95_ttft_ms<=400"] == pytest.approx(3.0)
+    assert stopped.constraints["p95_tpot_ms<=50"] < 0
+    assert stopped.values[0] >= 1e6  # values stay worst-case
+    assert stopped not in study.best_trials
