@@ -20,6 +20,19 @@ from optuna.trial import TrialState
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `tiny` model folder of this test's own (shadows the session-wide one).
+
+    Process scans look for servers by model path; the session's shared server (another
+    module's) serves the session-wide folder and must not count as left behind here.
+    """
+    from optimizer.modelgen import make_model
+
+    return make_model(tmp_path_factory.mktemp("own-model") / "tiny", "tiny")
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 
