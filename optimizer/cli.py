@@ -613,7 +613,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from optimizer import export as ex
     from optimizer.config import load_job
     from optimizer.study import prepare
-    from optimizer.types import EngineConfig, TrialSpec
+    from optimizer.types import TrialSpec
 
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
@@ -642,23 +642,16 @@ def cmd_export(ns: argparse.Namespace) -> int:
         out = plan.out / "validation" / f"trial-{chosen.number}-{int(time.time())}"
 
         def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
-            return TrialSpec(
-                number=chosen.number,
-                engine=EngineConfig(plan.engine.model, engine_args, dict(plan.engine.env)),
-                trace=plan.trace,
-                workdir=str(out / f"{label}-{k}"),
-                token_range=plan.token_range,
+            return plan.trial_spec(
+                chosen.number,
+                engine_args,
+                workdir=out / f"{label}-{k}",
                 seed=900_000 + 2 * k + (label == "chosen"),
-                warmup_requests=job.trace.warmup_requests,
-                max_duration_s=job.trace.max_duration_s,
-                slos=tuple(str(x) for x in plan.objectives.slos),
-                startup_timeout_s=job.engine.startup_timeout_s,
-                python=job.engine.python,
-                max_send_lag_ms=job.trace.max_send_lag_ms,
+                early_stop=False,
             )
 
         def run(spec: TrialSpec) -> Any:
-            return runner.submit(spec, 0 if plan.context.cpu_build else 1).future.result()
+            return runner.submit(spec, plan.gpus_per_server).future.result()
 
         try:
             val = ex.validate_choice(

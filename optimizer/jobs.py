@@ -1517,7 +1517,7 @@ def _cluster_validator(
     from optimizer import export as ex
     from optimizer.runners import RayRunner
     from optimizer.study import prepare
-    from optimizer.types import EngineConfig, TrialSpec
+    from optimizer.types import TrialSpec
 
     job, base = load_job(rec.job, base=Path(rec.base))
     plan = prepare(job, base)
@@ -1525,24 +1525,16 @@ def _cluster_validator(
     out = plan.out / "validation" / f"service-{int(time.time())}"
 
     def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
-        return TrialSpec(
-            number=-1,
-            engine=EngineConfig(plan.engine.model, engine_args, dict(plan.engine.env)),
-            trace=plan.trace,
-            workdir=str(out / f"{label}-{k}"),
-            token_range=plan.token_range,
+        return plan.trial_spec(
+            -1,
+            engine_args,
+            workdir=out / f"{label}-{k}",
             seed=900_000 + 2 * k + (label == "chosen"),
-            warmup_requests=job.trace.warmup_requests,
-            max_duration_s=job.trace.max_duration_s,
-            slos=tuple(str(x) for x in plan.objectives.slos),
-            startup_timeout_s=job.engine.startup_timeout_s,
-            python=job.engine.python,
-            max_send_lag_ms=job.trace.max_send_lag_ms,
+            early_stop=False,
         )
 
     def run(spec: TrialSpec) -> Any:
-        gpus = 0 if plan.context.cpu_build else 1
-        return runner.submit(spec, gpus).future.result()
+        return runner.submit(spec, plan.gpus_per_server).future.result()
 
     names = list(study.metric_names or [])
     val = ex.validate_choice(

@@ -92,6 +92,47 @@ class StudyPlan:
     context: ConstraintContext
     vllm: str = ""
 
+    def trial_spec(
+        self,
+        number: int,
+        args: dict[str, Any],
+        *,
+        workdir: Path,
+        seed: int,
+        early_stop: bool | None = None,
+    ) -> TrialSpec:
+        """A trial of this plan: the given engine arguments on the plan's model and trace.
+
+        Args:
+            number: Trial number (for logs and records).
+            args: Engine arguments (flag names).
+            workdir: Folder for the trial's log and records.
+            seed: Prompt seed; give every run a fresh one so nothing is served from an
+                earlier cache.
+            early_stop: Override the job's early-stop setting.
+        """
+        job = self.job
+        return TrialSpec(
+            number=number,
+            engine=EngineConfig(model=self.engine.model, args=args, env=dict(self.engine.env)),
+            trace=self.trace,
+            workdir=str(workdir),
+            token_range=self.token_range,
+            seed=seed,
+            warmup_requests=job.trace.warmup_requests,
+            max_duration_s=job.trace.max_duration_s,
+            slos=tuple(str(s) for s in self.objectives.slos),
+            early_stop=job.objectives.early_stop if early_stop is None else early_stop,
+            startup_timeout_s=job.engine.startup_timeout_s,
+            python=job.engine.python,
+            max_send_lag_ms=job.trace.max_send_lag_ms,
+        )
+
+    @property
+    def gpus_per_server(self) -> int:
+        """GPUs one server of the baseline shape asks Ray for (0 on the CPU build)."""
+        return 0 if self.context.cpu_build else 1
+
 
 @dataclass(frozen=True)
 class StudyEvent:
@@ -558,22 +599,12 @@ class StudyDriver:
         self._submit(trial, args, attempt=0)
 
     def _spec(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> TrialSpec:
-        plan, job = self.plan, self.plan.job
-        return TrialSpec(
-            number=trial.number,
-            engine=EngineConfig(model=plan.engine.model, args=args, env=dict(plan.engine.env)),
-            trace=plan.trace,
-            workdir=str(plan.out / "trials" / f"{trial.number:04d}" / f"attempt-{attempt}"),
-            token_range=plan.token_range,
+        return self.plan.trial_spec(
+            trial.number,
+            args,
+            workdir=self.plan.out / "trials" / f"{trial.number:04d}" / f"attempt-{attempt}",
             # Fresh prompts per trial and attempt: nothing is served from an earlier cache.
             seed=trial.number * 1000 + attempt + 1,
-            warmup_requests=job.trace.warmup_requests,
-            max_duration_s=job.trace.max_duration_s,
-            slos=tuple(str(s) for s in plan.objectives.slos),
-            early_stop=job.objectives.early_stop,
-            startup_timeout_s=job.engine.startup_timeout_s,
-            python=job.engine.python,
-            max_send_lag_ms=job.trace.max_send_lag_ms,
         )
 
     def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:
