@@ -13,6 +13,7 @@ Usage: ``python -m benchmarks.study_benchmark runs/cpu-demo [--runs 3]``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -27,7 +28,7 @@ from optimizer.config import load_job
 from optimizer.export import select_trial, validate_choice
 from optimizer.study import create_storage, prepare
 from optimizer.trial import run_trial
-from optimizer.types import EngineConfig, TrialSpec
+from optimizer.types import TrialSpec
 
 console = Console(width=140)
 
@@ -73,21 +74,14 @@ def main() -> None:
     out = plan.out / "benchmark" / str(int(time.time()))
 
     def spec(label: str, args: dict[str, Any], k: int, **over: Any) -> TrialSpec:
-        fields: dict[str, Any] = {
-            "number": 0,
-            "engine": EngineConfig(plan.engine.model, args, dict(plan.engine.env)),
-            "trace": plan.trace,
-            "workdir": str(out / f"{label}-{k}"),
-            "token_range": plan.token_range,
-            "seed": 700_000 + 10 * k + hash(label) % 10,
-            "warmup_requests": job.trace.warmup_requests,
-            "max_duration_s": job.trace.max_duration_s,
-            "slos": tuple(str(x) for x in plan.objectives.slos),
-            "startup_timeout_s": job.engine.startup_timeout_s,
-            "max_send_lag_ms": job.trace.max_send_lag_ms,
-        }
-        fields.update(over)
-        return TrialSpec(**fields)
+        base_spec = plan.trial_spec(
+            0,
+            args,
+            workdir=out / f"{label}-{k}",
+            seed=700_000 + 10 * k + len(label),
+            early_stop=False,
+        )
+        return dataclasses.replace(base_spec, **over)
 
     baseline = next(tr for tr in study.trials if tr.user_attrs.get("baseline"))
     base_args = json.loads(baseline.user_attrs["engine_args"])
