@@ -296,3 +296,28 @@ def test_validation_reruns_invalid_replays_instead_of_counting_them_as_failures(
     assert not val.slo_failures
     assert val.chosen["output_throughput"] == [10.0, 10.0]
     assert calls == [0, 100, 0, 100, 1, 101, 1, 101]
+
+
+def test_kubernetes_output_validates_against_the_kubernetes_openapi_schema() -> None:
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    docs = list(yaml.safe_load_all(ex.render("kubernetes", _ctx())))
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    # The validator is real: a misspelled field is refused.
+    broken = json.loads(json.dumps(docs[0]))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+def test_ray_serve_output_is_accepted_by_ray_serves_own_schemas() -> None:
+    from ray.serve.llm import LLMConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = yaml.safe_load(ex.render("ray-serve", _ctx()))
+    ServeDeploySchema.model_validate(cfg)
+    llm = LLMConfig(**cfg["applications"][0]["args"]["llm_configs"][0])
+    assert llm.engine_kwargs["enable_prefix_caching"] is False
+    assert llm.accelerator_type == "H200"
