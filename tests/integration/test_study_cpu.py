@@ -156,6 +156,41 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
     assert re.search(r"trial 1 failed \(kv_cache_too_small\)", out)
     assert servers_of(tiny_model) == []
 
+    # Export with re-validation: this light load cannot tell two configurations apart (every
+    # one serves the offered load), so the export must be refused, with the numbers.
+    other = measured[-1] if measured[-1].number != 0 else measured[0]
+    assert other.number != 0
+    target = tmp_path / "exported.yaml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "optimizer.cli",
+            "export",
+            job["out"],
+            "--format",
+            "vllm-config",
+            "--trial",
+            str(other.number),
+            "--runs",
+            "2",
+            "--runner",
+            "local",
+            "--out",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=1500,
+    )
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert "refusing to export" in said and "within the noise" in said
+    assert "re-validation" in said
+    assert not target.exists()
+    assert servers_of(tiny_model) == []
+
 
 def test_sigkilled_driver_resumes_without_losing_or_double_counting(
     tmp_path: Path, tiny_model: Path, vllm_install: object
