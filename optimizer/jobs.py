@@ -1184,7 +1184,9 @@ class JobService:
                 raise ConfigError(
                     "engine.python: the service runs servers with its own vLLM; remove the key"
                 )
-            bad = [k for k in (engine.get("env") or {}) if _FORBIDDEN_ENV.search(str(k))]
+            env = engine.get("env")
+            # Not a mapping: the job loader below says so (iterating it here would be a 500).
+            bad = [k for k in env if _FORBIDDEN_ENV.search(str(k))] if isinstance(env, dict) else []
             if bad:
                 raise ConfigError(
                     f"engine.env: {', '.join(bad)} may not be set through the service "

@@ -273,3 +273,16 @@ def test_the_thin_client_round_trip(client: TestClient, service: JobService) -> 
     bad = ServiceClient("http://testserver", "wrong", http=client)
     with pytest.raises(ConfigError, match="answered 401"):
         bad.list()
+
+
+def test_a_job_with_a_non_mapping_env_is_refused_not_crashed(client: TestClient) -> None:
+    """Found by the fuzz (test_api_fuzz): the env check iterated whatever engine.env was (a 500
+    for a number); a non-mapping is now left to the job loader's 422."""
+    for env in (1, ["LD_PRELOAD"], "PATH"):
+        r = client.post("/v1/studies", json=job_doc(engine={"env": env}), headers=AUTH)
+        assert r.status_code == 422, (env, r.text)
+        assert "engine.env: Input should be a valid dictionary" in r.json()["detail"]
+    r = client.post(
+        "/v1/studies", json=job_doc(engine={"env": {"LD_PRELOAD": "/x.so"}}), headers=AUTH
+    )
+    assert r.status_code == 422 and "LD_PRELOAD may not be set" in r.json()["detail"]
