@@ -1057,6 +1057,23 @@ def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
 
 
+def _timestamp(key: str, when: datetime | None) -> float | None:
+    """A submission's time as a timestamp that :func:`_iso` can show again.
+
+    Raises:
+        ConfigError: A time the platform cannot represent (year 1 or 9999 near the edges of
+            the local time zone): stored, it would break every later listing.
+    """
+    if when is None:
+        return None
+    try:
+        ts = when.timestamp()
+        _iso(ts)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise ConfigError(f"{key}: {when.isoformat()} is out of range ({exc})") from exc
+    return ts
+
+
 def _num(v: Any) -> Any:
     """JSON-safe numbers: NaN and infinities become None."""
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
@@ -1226,8 +1243,8 @@ class JobService:
             storage_url=job.storage_url(base),
             out=str(job.output_dir(base)),
             submitted_at=now,
-            not_before=sub.not_before.timestamp() if sub.not_before else None,
-            until=sub.until.timestamp() if sub.until else None,
+            not_before=_timestamp("not_before", sub.not_before),
+            until=_timestamp("until", sub.until),
         )
         if rec.until is not None and rec.until <= now:
             raise ConfigError("until: the time window has already closed; give a later time")

@@ -286,3 +286,25 @@ def test_a_job_with_a_non_mapping_env_is_refused_not_crashed(client: TestClient)
         "/v1/studies", json=job_doc(engine={"env": {"LD_PRELOAD": "/x.so"}}), headers=AUTH
     )
     assert r.status_code == 422 and "LD_PRELOAD may not be set" in r.json()["detail"]
+
+
+def test_times_out_of_range_are_refused_not_stored(client: TestClient) -> None:
+    """Found by the fuzz (test_api_fuzz): a naive year-1 ``until`` was a 500 at submit, and an
+    aware year-1 ``not_before`` was stored and then broke every listing (500 on GET)."""
+    for window in (
+        {"until": "0001-01-01T00:00:00"},
+        {"not_before": "0001-01-01T00:00:00+14:00"},
+        {"not_before": "0001-01-01T00:00:00"},
+    ):
+        r = client.post("/v1/studies", json={"job": job_doc(), **window}, headers=AUTH)
+        assert r.status_code == 422, (window, r.text)
+        assert "is out of range" in r.json()["detail"]
+    r = client.post(
+        "/v1/studies",
+        files={"job": ("job.yaml", yaml.safe_dump(job_doc()))},
+        data={"not_before": "0001-01-01T00:00:00+14:00"},
+        headers=AUTH,
+    )
+    assert r.status_code == 422 and "not_before: " in r.json()["detail"]
+    r = client.get("/v1/studies", headers=AUTH)
+    assert r.status_code == 200 and r.json() == []
