@@ -1,0 +1,225 @@
+"""Property-based fuzz of the HTTP API from its own OpenAPI document (schemathesis).
+
+The app is the one of ``test_api`` (a real JobService, a FAKE driver launcher: no Ray, no
+vLLM); the schema is loaded from ``/openapi.json`` through the ASGI app. With a valid bearer
+token, no generated request (positive or negative) may get a 5xx; without one, every route but
+``/healthz`` answers 401, never 5xx. Path ids are sometimes replaced by those of real studies
+(one queued, one running with a baseline and a winner) so the fuzz reaches the detail, trial,
+cancel and export code rather than only the 404s of random ids; and valid jobs with one key
+set to arbitrary JSON and any time window reach the job loader and the scheduler's times.
+Derandomized (the same cases every run); ``-s`` prints the case counts and statuses.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import schemathesis
+from fastapi import FastAPI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import APIOperation, Case, GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from optimizer.api import create_app
+from optimizer.jobs import DriverStatus, JobService
+from tests.unit.test_api import AUTH, fake_study
+from tests.unit.test_jobs import FakeLauncher, job_doc, make_service, submit
+
+OPERATIONS = {
+    "GET /healthz",
+    "GET /v1/studies",
+    "POST /v1/studies",
+    "GET /v1/studies/{study_id}",
+    "GET /v1/studies/{study_id}/trials/{number}",
+    "POST /v1/studies/{study_id}/cancel",
+    "POST /v1/studies/{study_id}/export",
+}
+# Examples per operation (operations without inputs take one), and mutated valid jobs:
+# about 400 requests in all (250 with a token, 50 without, 100 mutated jobs), ~10 s.
+AUTHED_EXAMPLES = 50
+ANON_EXAMPLES = 10
+MUTANT_EXAMPLES = 100
+
+CASES: Counter[str] = Counter()  # requests sent, by pass and operation
+STATUSES: Counter[str] = Counter()  # what they got, with a token
+
+
+class _App:
+    def __init__(self, app: FastAPI, service: JobService, ids: list[str]) -> None:
+        self.app, self.service, self.ids = app, service, ids
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_App]:
+    tmp = tmp_path_factory.mktemp("api-fuzz")
+    launcher = FakeLauncher()
+    service = make_service(tmp, launcher, max_upload_bytes=64 * 1024)
+    service.validator = lambda _rec, _study, _chosen, _base, runs: (f"fake, {runs} runs", [])
+    running, queued = submit(service, "fuzz-running"), submit(service, "fuzz-queued")
+    service.scheduler.tick()
+    launcher.drivers[running] = DriverStatus("starting")
+    service.scheduler.tick()
+    fake_study(service, running)
+    launcher.drivers[running] = DriverStatus("running", remaining=0)
+    service.scheduler.tick()
+    yield _App(create_app(service), service, [running, queued])
+    print(f"\napi fuzz: {sum(CASES.values())} requests {dict(sorted(CASES.items()))}")
+    print(f"statuses with a token: {dict(sorted(STATUSES.items()))}")
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_app: _App) -> schemathesis.BaseSchema:
+    schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app.app, headers=AUTH)
+    # The tests send the token (or none) themselves: no generated, dropped or mangled one.
+    schema.config.generation.update(with_security_parameters=False)
+    return schema
+
+
+_FUZZ = settings(
+    max_examples=AUTHED_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _operations(schema: schemathesis.BaseSchema) -> list[APIOperation[Any, Any, Any, Any]]:
+    return [result.ok() for result in schema.get_all_operations()]  # type: ignore[union-attr]
+
+
+def _cases(operation: APIOperation[Any, Any, Any, Any]) -> st.SearchStrategy[Case[Any]]:
+    """Valid and invalid requests (bodies, query and path parameters) for ``operation``."""
+    return st.one_of(
+        operation.as_strategy(GenerationMode.POSITIVE),
+        operation.as_strategy(GenerationMode.NEGATIVE),
+    )
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+_ZONES: st.SearchStrategy[Any] = st.none() | st.sampled_from(
+    [timezone(timedelta(hours=h)) for h in (0, -12, 14)]
+)
+_TIMES = st.one_of(  # anywhere, and near the edges of what datetime (and time zones) allow
+    st.datetimes(timezones=_ZONES),
+    st.datetimes(max_value=datetime(1, 1, 2), timezones=_ZONES),
+    st.datetimes(min_value=datetime(9999, 12, 30), timezones=_ZONES),
+).map(datetime.isoformat)
+
+
+def _paths(doc: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key path of a nested mapping (the places a mutation may hit)."""
+    out: list[tuple[str, ...]] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            out.append((*prefix, key))
+            out.extend(_paths(value, (*prefix, key)))
+    return out
+
+
+_JOB = job_doc("fuzz-mutant")
+_PATHS = [*_paths({"job": _JOB}), ("job", "extra"), ("not_before",), ("trace_upload",)]
+
+
+@st.composite
+def _mutant_job(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid submission with one key (anywhere in it) set to an arbitrary JSON value, and a
+    time window of any times (naive or not, year 1 to 9999): random bodies almost never get
+    past the first type check, these reach the job loader's and the scheduler's insides."""
+    doc: dict[str, Any] = {"job": copy.deepcopy(_JOB)}
+    for key in ("not_before", "until"):
+        when = draw(st.none() | _TIMES)
+        if when is not None:
+            doc[key] = when
+    path = draw(st.sampled_from(_PATHS))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = draw(_JSON)
+    return doc
+
+
+def _aim(case: Case[Any], data: st.DataObject, ids: list[str]) -> None:
+    """Sometimes aim the case at a real study or trial (else random ids only answer 404), and
+    sometimes send a mutated valid job."""
+    params = case.path_parameters or {}
+    if "study_id" in params:
+        params["study_id"] = data.draw(st.sampled_from([params["study_id"], *ids, *ids]))
+        if "number" in params:
+            params["number"] = data.draw(st.sampled_from([params["number"], 0, 1]))
+    if case.method == "POST" and case.path == "/v1/studies" and data.draw(st.booleans()):
+        case.media_type = "application/json"
+        case.body = data.draw(_mutant_job())
+        STATUSES["(POST /v1/studies sent a mutated job)"] += 1
+
+
+def test_no_server_errors_with_a_token(api_schema: schemathesis.BaseSchema, fuzz_app: _App) -> None:
+    operations = _operations(api_schema)
+    assert {op.label for op in operations} == OPERATIONS  # a new route: check the budget
+    for operation in operations:
+
+        @_FUZZ
+        @given(case=_cases(operation), data=st.data())
+        def fuzz(case: Case[Any], data: st.DataObject) -> None:
+            _aim(case, data, fuzz_app.ids)
+            case.headers.update(AUTH)
+            CASES[f"authed {case.method} {case.path}"] += 1
+            response = case.call_and_validate(checks=[not_a_server_error])
+            STATUSES[f"{case.method} {case.path} -> {response.status_code}"] += 1
+
+        fuzz()
+    # The aiming works: real studies were read, exported and cancelled, not only 404s.
+    for reached in ("GET /v1/studies/{study_id}", "POST /v1/studies/{study_id}/export"):
+        assert STATUSES[f"{reached} -> 200"] > 0, reached
+
+
+def test_mutated_jobs_are_refused_not_crashed(api_schema: schemathesis.BaseSchema) -> None:
+    """Valid submissions with one key anywhere set to arbitrary JSON: 201 or a 4xx, never 5xx."""
+    submit_op = api_schema["/v1/studies"]["POST"]
+
+    @settings(_FUZZ, max_examples=MUTANT_EXAMPLES)
+    @given(job=_mutant_job())
+    def fuzz(job: dict[str, Any]) -> None:
+        case = submit_op.Case(body=job, media_type="application/json", headers=dict(AUTH))
+        CASES["mutated POST /v1/studies"] += 1
+        response = case.call_and_validate(checks=[not_a_server_error])
+        STATUSES[f"mutated POST /v1/studies -> {response.status_code}"] += 1
+
+    fuzz()
+
+
+def test_without_a_token_only_healthz_answers(api_schema: schemathesis.BaseSchema) -> None:
+    for operation in _operations(api_schema):
+
+        @settings(_FUZZ, max_examples=ANON_EXAMPLES)
+        @given(case=_cases(operation))
+        def fuzz(case: Case[Any]) -> None:
+            case.headers.pop("Authorization", None)  # case-insensitive
+            CASES[f"anon {case.method} {case.path}"] += 1
+            response = case.call()
+            case.validate_response(response, checks=[not_a_server_error])
+            if case.path == "/healthz":
+                assert response.status_code == 200
+            else:
+                assert response.status_code == 401, (case.method, case.path, response.text)
+                assert response.headers.get("www-authenticate") == ["Bearer"]
+
+        fuzz()
