@@ -18,24 +18,12 @@ from typing import Any, Protocol
 from optimizer.trial import run_trial
 from optimizer.types import TrialResult, TrialSpec
 
-__all__ = ["LocalRunner", "RayRunner", "TrialHandle", "TrialRunner"]
-
-
-class TrialHandle(Protocol):
-    """A submitted trial."""
-
-    @property
-    def spec(self) -> TrialSpec:
-        """The trial's spec."""
-        ...
-
-    @property
-    def future(self) -> concurrent.futures.Future[TrialResult]:
-        """Resolves to the trial's result."""
-        ...
+__all__ = ["LocalRunner", "RayRunner", "TrialRunner"]
 
 
 class _Handle:
+    """A submitted trial: its spec, a future of its result, and the actor running it (Ray)."""
+
     def __init__(
         self, spec: TrialSpec, future: concurrent.futures.Future[TrialResult], actor: Any = None
     ) -> None:
