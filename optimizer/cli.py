@@ -587,11 +587,6 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
     return 0
 
 
-_PRIMARY = {
-    "max-throughput": "output_throughput",
-    "min-ttft": "p95_ttft_ms",
-    "min-tpot": "p95_tpot_ms",
-}
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
@@ -682,13 +677,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
             )
         console.print(table)
-        primary = [_PRIMARY[policy]] if policy in _PRIMARY and _PRIMARY[policy] in names else names
-        noisy = [m for m in primary if val.within_noise(m)]
-        problems = []
-        if noisy:
-            problems.append(f"the gain on {', '.join(noisy)} is within the noise of the re-runs")
-        if val.slo_failures:
-            problems.append("SLOs failed on re-run: " + "; ".join(val.slo_failures))
+        problems = val.problems(ex.primary_metrics(policy, names))
         if problems and not ns.force:
             err_console.print(
                 "[bold red]refusing to export:[/] "
@@ -696,16 +685,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 + " (use --force to export anyway)"
             )
             return 4
-        gain = (
-            "; ".join(
-                "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
-                    r["metric"], r["gain_pct"], *r["gain_range_pct"]
-                )
-                for r in val.table()
-            )
-            + f" vs baseline, {ns.runs} re-runs each"
-            + (" [FORCED: " + "; ".join(problems) + "]" if problems else "")
-        )
+        gain = val.gain_text() + (" [FORCED: " + "; ".join(problems) + "]" if problems else "")
     env = {
         k: v
         for k, v in saved["job"]["engine"].get("env", {}).items()

@@ -42,6 +42,7 @@ __all__ = [
     "ExportContext",
     "Validation",
     "changed_args",
+    "primary_metrics",
     "render",
     "select_trial",
     "validate_choice",
@@ -219,6 +220,30 @@ class Validation:
         _med, low, _high = self.gain_pct(metric)
         return not low > 0
 
+    def problems(self, primary: Sequence[str]) -> list[str]:
+        """Why an export should be refused: no primary objective gained beyond the noise of
+        the re-runs (a load-bound objective that cannot move does not veto a real gain
+        elsewhere), or an SLO failed on a re-run. Empty when the export may go ahead."""
+        out = []
+        if all(self.within_noise(m) for m in primary):
+            out.append(f"the gain on {', '.join(primary)} is within the noise of the re-runs")
+        if self.slo_failures:
+            out.append("SLOs failed on re-run: " + "; ".join(self.slo_failures))
+        return out
+
+    def gain_text(self) -> str:
+        """One line for export headers: each objective's median gain and its range."""
+        runs = min(len(v) for v in self.chosen.values())
+        return (
+            "; ".join(
+                "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
+                    r["metric"], r["gain_pct"], *r["gain_range_pct"]
+                )
+                for r in self.table()
+            )
+            + f" vs baseline, {runs} re-runs each"
+        )
+
     def table(self) -> list[dict[str, Any]]:
         """Rows for display: medians, spreads and gains."""
         rows = []
@@ -236,6 +261,19 @@ class Validation:
                 }
             )
         return rows
+
+
+_PRIMARY = {
+    "max-throughput": "output_throughput",
+    "min-ttft": "p95_ttft_ms",
+    "min-tpot": "p95_tpot_ms",
+}
+
+
+def primary_metrics(policy: str, metrics: Sequence[str]) -> list[str]:
+    """The objectives a policy's choice must improve: its own one, else all of them."""
+    own = _PRIMARY.get(policy)
+    return [own] if own is not None and own in metrics else list(metrics)
 
 
 def validate_choice(

@@ -1567,19 +1567,4 @@ def _cluster_validator(
         feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
         runs=runs,
     )
-    problems = []
-    noisy = [m for m in names if val.within_noise(m)]
-    if noisy and len(noisy) == len(names):
-        problems.append(f"the gain on {', '.join(noisy)} is within the noise of the re-runs")
-    if val.slo_failures:
-        problems.append("SLOs failed on re-run: " + "; ".join(val.slo_failures))
-    gain = (
-        "; ".join(
-            "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
-                r["metric"], r["gain_pct"], *r["gain_range_pct"]
-            )
-            for r in val.table()
-        )
-        + f" vs baseline, {runs} re-runs each"
-    )
-    return gain, problems
+    return val.gain_text(), val.problems(ex.primary_metrics("", names))

@@ -321,3 +321,13 @@ def test_ray_serve_output_is_accepted_by_ray_serves_own_schemas() -> None:
     llm = LLMConfig(**cfg["applications"][0]["args"]["llm_configs"][0])
     assert llm.engine_kwargs["enable_prefix_caching"] is False
     assert llm.accelerator_type == "H200"
+
+
+def test_refusal_rule_is_shared_and_lets_a_real_gain_through_a_load_bound_objective() -> None:
+    clear = _fake_validation([120, 125, 130], [100, 101, 99])
+    assert clear.problems(["output_throughput"]) == []
+    noisy = _fake_validation([101, 99, 104], [100, 103, 98])
+    assert "within the noise" in noisy.problems(["output_throughput"])[0]
+    assert ex.primary_metrics("min-ttft", ["p95_ttft_ms", "output_throughput"]) == ["p95_ttft_ms"]
+    assert ex.primary_metrics("knee", ["a", "b"]) == ["a", "b"]
+    assert clear.gain_text().startswith("output_throughput +25.0%")
