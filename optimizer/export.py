@@ -215,10 +215,12 @@ class Validation:
         best_b = min(self.baseline[metric]) if sign < 0 else max(self.baseline[metric])
         return med, g(worst_c, best_b), g(best_c, worst_b)
 
-    def within_noise(self, metric: str) -> bool:
-        """True when the gain's range includes zero: the re-runs do not separate the two."""
+    def within_noise(self, metric: str, min_gain_pct: float = 1.0) -> bool:
+        """True when the re-runs do not separate the two: the gain's worst pairing (the
+        chosen's worst run against the baseline's best) is below ``min_gain_pct``. A gain must
+        be both real and worth deploying; a consistent 0.05% is neither."""
         _med, low, _high = self.gain_pct(metric)
-        return not low > 0
+        return not low > min_gain_pct
 
     def problems(self, primary: Sequence[str]) -> list[str]:
         """Why an export should be refused: no primary objective gained beyond the noise of

@@ -158,8 +158,6 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
 
     # Export with re-validation: this light load cannot tell two configurations apart (every
     # one serves the offered load), so the export must be refused, with the numbers.
-    other = measured[-1] if measured[-1].number != 0 else measured[0]
-    assert other.number != 0
     target = tmp_path / "exported.yaml"
     proc = subprocess.run(
         [
@@ -170,8 +168,10 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
             job["out"],
             "--format",
             "vllm-config",
-            "--trial",
-            str(other.number),
+            # Throughput is what this load cannot move (every configuration serves the offered
+            # load), so its gain must be found within the noise.
+            "--policy",
+            "max-throughput",
             "--runs",
             "2",
             "--runner",

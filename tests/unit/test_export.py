@@ -331,3 +331,10 @@ def test_refusal_rule_is_shared_and_lets_a_real_gain_through_a_load_bound_object
     assert ex.primary_metrics("min-ttft", ["p95_ttft_ms", "output_throughput"]) == ["p95_ttft_ms"]
     assert ex.primary_metrics("knee", ["a", "b"]) == ["a", "b"]
     assert clear.gain_text().startswith("output_throughput +25.0%")
+
+
+def test_a_consistent_but_negligible_gain_counts_as_noise() -> None:
+    tiny = _fake_validation([100.3, 100.3, 100.4], [100.0, 100.1, 100.0])
+    _med, low, _high = tiny.gain_pct("output_throughput")
+    assert low > 0  # consistently better...
+    assert tiny.within_noise("output_throughput")  # ...by less than the 1% worth deploying
