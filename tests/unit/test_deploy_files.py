@@ -18,7 +18,9 @@ def test_rayjob_runs_the_tuner_against_the_cluster_with_shared_storage() -> None
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in head["env"]}
     assert env["VLLM_AUTOTUNE_STORAGE"]["valueFrom"]["secretKeyRef"]["name"] == "autotune-db"
-    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][
+        0
+    ]
     assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
 
 
