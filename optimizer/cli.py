@@ -610,6 +610,10 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from optimizer.study import prepare
     from optimizer.types import TrialSpec
 
+    if ns.chart_schema and ns.format != "helm":
+        raise ConfigError("--chart-schema checks Helm values: use it with --format helm")
+    if ns.chart_schema:  # a bad schema file fails now, not after minutes of re-validation
+        ex.helm_schema_problems({}, Path(ns.chart_schema))
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
     weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
@@ -708,6 +712,15 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if ns.format == "ray-serve":
         unknown = _ray_llm_unknown_flags(list(ctx.deploy_args()))
     text = ex.render(ns.format, ctx, unknown_flags=unknown)
+    if ns.chart_schema:
+        problems = ex.helm_schema_problems(yaml.safe_load(text), Path(ns.chart_schema))
+        if problems:
+            err_console.print(
+                f"[bold red]refusing to export:[/] the values break {ns.chart_schema}:\n  "
+                + "\n  ".join(problems)
+            )
+            return 5
+        console.print(f"helm values valid against {ns.chart_schema}")
     path = ex.write_export(
         text, Path(ns.out) if ns.out else folder / "export" / ex.default_filename(ns.format)
     )
@@ -907,6 +920,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
     p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
+    p.add_argument(
+        "--chart-schema",
+        default=None,
+        metavar="PATH",
+        help="helm: also check the values against this chart's values.schema.json "
+        "(e.g. from `helm pull --untar`); refuses to write on a mismatch",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("show", help="trials and the Pareto front of a study folder")

@@ -34,6 +34,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.errors import ConfigError
+from optimizer.report import changed_args
 from optimizer.types import TrialResult, TrialSpec, TrialStatus
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "ExportContext",
     "Validation",
     "changed_args",
+    "helm_schema_problems",
     "primary_metrics",
     "render",
     "select_trial",
@@ -50,6 +52,9 @@ __all__ = [
 
 POLICIES = ("max-throughput", "min-ttft", "min-tpot", "knee", "weighted", "trial")
 FORMATS = ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve")
+
+# The values contract of vLLM's production-stack chart for the keys the helm exporter writes.
+HELM_SCHEMA = Path(__file__).with_name("schemas") / "production-stack-values.schema.json"
 
 # Flags that describe where a server runs, not how it serves: never exported.
 _LOCAL_ONLY = frozenset({"load-format", "host", "port", "kv-cache-memory-bytes"})
@@ -62,12 +67,6 @@ def _args(trial: FrozenTrial) -> dict[str, Any]:
 
 def _feasible(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
-
-
-def changed_args(trial: FrozenTrial, baseline: FrozenTrial | None) -> dict[str, Any]:
-    """Engine arguments of ``trial`` that differ from the baseline's."""
-    base = _args(baseline) if baseline else {}
-    return {k: v for k, v in _args(trial).items() if base.get(k) != v}
 
 
 def _metric_index(study: optuna.Study, metric: str) -> int:
@@ -416,7 +415,9 @@ def _vllm_cli(ctx: ExportContext) -> str:
 
 
 def _name(ctx: ExportContext) -> str:
-    return "".join(c if c.isalnum() else "-" for c in f"vllm-{ctx.study}".lower()).strip("-")[:50]
+    """A DNS-1123 label from the study name (Kubernetes object and Helm model names)."""
+    text = "".join(c if c.isascii() and c.isalnum() else "-" for c in f"vllm-{ctx.study}".lower())
+    return re.sub(r"-+", "-", text)[:50].strip("-")
 
 
 def _kubernetes(ctx: ExportContext) -> str:
@@ -427,7 +428,7 @@ def _kubernetes(ctx: ExportContext) -> str:
         "image": "vllm/vllm-openai:latest",
         "args": ["--model", ctx.model, *_cli_words(ctx.deploy_args())],
         "ports": [{"containerPort": 8000, "name": "http"}],
-        "env": [{"name": k, "value": v} for k, v in ctx.env.items()],
+        "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
         "resources": resources,
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": 8000},
@@ -462,16 +463,32 @@ def _kubernetes(ctx: ExportContext) -> str:
     return ctx.header() + yaml.safe_dump_all([deployment, service], sort_keys=False)
 
 
-# Fields of the production-stack chart's servingEngineSpec.modelSpec[].vllmConfig.
-_HELM_KNOWN = {
-    "max-model-len": "maxModelLen",
-    "tensor-parallel-size": "tensorParallelSize",
-    "gpu-memory-utilization": "gpuMemoryUtilization",
-    "dtype": "dtype",
-    "enable-chunked-prefill": "enableChunkedPrefill",
-    "enable-prefix-caching": "enablePrefixCaching",
-    "max-num-seqs": "maxNumSeqs",
+# Fields of the production-stack chart's servingEngineSpec.modelSpec[].vllmConfig, with the
+# type the chart's values schema gives them.
+_HELM_KNOWN: dict[str, tuple[str, type]] = {
+    "max-model-len": ("maxModelLen", int),
+    "tensor-parallel-size": ("tensorParallelSize", int),
+    "gpu-memory-utilization": ("gpuMemoryUtilization", float),
+    "dtype": ("dtype", str),
+    "enable-chunked-prefill": ("enableChunkedPrefill", bool),
+    "enable-prefix-caching": ("enablePrefixCaching", bool),
+    "max-num-seqs": ("maxNumSeqs", int),
 }
+
+
+def _helm_typed(value: Any, kind: type) -> Any:
+    """``value`` as the chart field's type, or None when it is not one (e.g. "8k")."""
+    if kind is bool:
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return None
+    if kind is str:
+        return value if isinstance(value, str) else None
+    try:
+        typed = kind(value)
+    except (TypeError, ValueError):
+        return None
+    return typed if kind is not int or float(value) == typed else None
 
 
 def _helm(ctx: ExportContext) -> str:
@@ -479,9 +496,11 @@ def _helm(ctx: ExportContext) -> str:
     vllm_config: dict[str, Any] = {}
     extra: list[str] = []
     for k, v in args.items():
-        if k in _HELM_KNOWN:
-            vllm_config[_HELM_KNOWN[k]] = v
-        else:
+        field, kind = _HELM_KNOWN.get(k, ("", object))
+        typed = _helm_typed(v, kind) if field else None
+        if typed is not None:
+            vllm_config[field] = typed
+        else:  # no chart field, or a spelling only vLLM's CLI understands: pass it through
             extra += _cli_words({k: v})
     if extra:
         vllm_config["extraArgs"] = extra
@@ -496,12 +515,57 @@ def _helm(ctx: ExportContext) -> str:
                     "replicaCount": 1,
                     "requestGPU": ctx.gpus,
                     "vllmConfig": vllm_config,
-                    "env": [{"name": k, "value": v} for k, v in ctx.env.items()],
+                    "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
                 }
             ]
         }
     }
+    problems = helm_schema_problems(values)
+    if problems:  # a bug in this exporter, never the user's input: say so loudly
+        raise AssertionError("helm exporter wrote invalid values: " + "; ".join(problems))
     return ctx.header() + yaml.safe_dump(values, sort_keys=False)
+
+
+def _json_path(parts: Sequence[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def helm_schema_problems(values: Any, schema_path: Path | None = None) -> list[str]:
+    """Where ``values`` breaks a Helm chart's ``values.schema.json`` (JSON Schema).
+
+    Args:
+        values: Parsed Helm values.
+        schema_path: A chart's ``values.schema.json`` (e.g. from ``helm pull --untar``); the
+            bundled production-stack contract (:data:`HELM_SCHEMA`) when None.
+
+    Returns:
+        One line per violation, ``path.to[0].key: message``; empty when valid.
+
+    Raises:
+        ConfigError: The schema file is missing, not JSON, or not a valid JSON Schema.
+    """
+    import jsonschema
+
+    path = schema_path or HELM_SCHEMA
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the chart schema ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); give the chart's "
+            "values.schema.json"
+        ) from exc
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"{path}: not a valid JSON Schema: {exc.message}") from exc
+    errors = sorted(cls(schema).iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"{_json_path(list(e.absolute_path))}: {e.message}" for e in errors]
 
 
 def _accelerator_type(hardware: str) -> str | None:

@@ -338,3 +338,97 @@ def test_a_consistent_but_negligible_gain_counts_as_noise() -> None:
     _med, low, _high = tiny.gain_pct("output_throughput")
     assert low > 0  # consistently better...
     assert tiny.within_noise("output_throughput")  # ...by less than the 1% worth deploying
+
+
+def test_helm_values_validate_against_the_chart_contract_and_the_validator_is_real() -> None:
+    values = yaml.safe_load(ex.render("helm", _ctx()))
+    assert ex.helm_schema_problems(values) == []
+    # A misspelled key, a wrong type and a name Kubernetes would refuse are each caught, with
+    # the path to the offending value.
+    broken = json.loads(json.dumps(values))
+    spec = broken["servingEngineSpec"]["modelSpec"][0]
+    spec["vllmConfig"]["maxNumSeq"] = 48
+    spec["replicaCount"] = "1"
+    spec["name"] = "Vllm_Demo"
+    problems = ex.helm_schema_problems(broken)
+    assert len(problems) == 3, problems
+    assert any(p.startswith("servingEngineSpec.modelSpec[0].replicaCount: '1'") for p in problems)
+    assert any("vllmConfig: Additional properties" in p and "maxNumSeq" in p for p in problems)
+    assert any(p.startswith("servingEngineSpec.modelSpec[0].name:") for p in problems)
+
+
+def test_helm_puts_values_the_chart_cannot_type_into_extra_args() -> None:
+    # vLLM's CLI takes "8k" for --max-model-len; the chart's maxModelLen is an integer.
+    values = yaml.safe_load(
+        ex.render("helm", _ctx(**{"max-model-len": "8k", "tensor-parallel-size": "2"}))
+    )
+    cfg = values["servingEngineSpec"]["modelSpec"][0]["vllmConfig"]
+    assert cfg["tensorParallelSize"] == 2 and "maxModelLen" not in cfg
+    i = cfg["extraArgs"].index("--max-model-len")
+    assert cfg["extraArgs"][i + 1] == "8k"
+
+
+def test_names_are_dns_labels_for_any_study_name() -> None:
+    import dataclasses
+
+    ctx = dataclasses.replace(_ctx(), study="Été_" + "x" * 60 + "!")
+    name = yaml.safe_load(ex.render("helm", ctx))["servingEngineSpec"]["modelSpec"][0]["name"]
+    assert name.startswith("vllm-t-x") and len(name) <= 50 and not name.endswith("-")
+
+
+def _write_schema(path: Path, schema: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(schema))
+    return path
+
+
+def test_export_checks_helm_values_against_a_given_chart_schema(
+    study_dir: Path, tmp_path: Path
+) -> None:
+    from optimizer.cli import main
+
+    # Stand-ins for a chart's values.schema.json, written here: one the values meet, one they
+    # break (this test's FAKE chart wants requestGPU as a string).
+    ok = _write_schema(tmp_path / "ok.json", {"type": "object", "required": ["servingEngineSpec"]})
+    picky = _write_schema(
+        tmp_path / "picky.json",
+        {
+            "type": "object",
+            "properties": {
+                "servingEngineSpec": {
+                    "properties": {
+                        "modelSpec": {"items": {"properties": {"requestGPU": {"type": "string"}}}}
+                    }
+                }
+            },
+        },
+    )
+    out = tmp_path / "values.yaml"
+    base = ["export", str(study_dir), "--format", "helm", "--no-validate", "--out", str(out)]
+    assert main([*base, "--chart-schema", str(picky)]) == 5
+    assert not out.exists()  # nothing written on a mismatch
+    assert main([*base, "--chart-schema", str(ok)]) == 0
+    assert "servingEngineSpec" in yaml.safe_load(out.read_text())
+    # A schema file that is not JSON is named with its line before any work is done.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "type": object\n}\n')
+    with pytest.raises(ConfigError, match=r"bad\.json:2:\d+: not JSON"):
+        ex.helm_schema_problems({}, bad)
+    assert main([*base, "--chart-schema", str(bad)]) == 2  # the CLI's exit for bad input
+    with pytest.raises(ConfigError, match="not a valid JSON Schema"):
+        ex.helm_schema_problems({}, _write_schema(tmp_path / "x.json", {"type": "objekt"}))
+    kube = ["export", str(study_dir), "--format", "kubernetes", "--chart-schema", str(ok)]
+    assert main(kube) == 2
+
+
+def test_helm_values_against_the_real_chart_schema_when_one_is_given() -> None:
+    """The production-stack chart's own values.schema.json is not redistributed with this
+    project; point VLLM_AUTOTUNE_CHART_SCHEMA at a copy (``helm pull vllm/vllm-stack --untar``)
+    to check the exporter against the chart version you deploy."""
+    import os
+
+    path = os.environ.get("VLLM_AUTOTUNE_CHART_SCHEMA")
+    if not path:
+        pytest.skip("VLLM_AUTOTUNE_CHART_SCHEMA is not set")
+    for ctx in (_ctx(), _ctx(**{"tensor-parallel-size": 2, "gpu-memory-utilization": 0.85})):
+        values = yaml.safe_load(ex.render("helm", ctx))
+        assert ex.helm_schema_problems(values, Path(path)) == []
