@@ -45,6 +45,7 @@ __all__ = [
     "free_port",
     "group_alive_pids",
     "info_labels",
+    "parse_engine_config",
     "parse_memory_account",
     "parse_prometheus",
     "reap_orphans",
@@ -239,6 +240,51 @@ def parse_memory_account(log_text: str) -> MemoryAccount:
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _DROP_LABELS = re.compile(r'(?:model_name|engine)="[^"]*",?')
+
+
+_ENGINE_CONFIG = re.compile(r"Initializing a V1 LLM engine \(v[^)]*\) with config: (.*)$", re.M)
+
+
+def parse_engine_config(log_text: str) -> dict[str, str]:
+    """The top-level ``key=value`` pairs of the engine's "Initializing ... with config:" line.
+
+    This is what the engine actually runs with once vLLM has filled in its own defaults
+    (``enable_prefix_caching=True``, ``max_seq_len=2048``, ``dtype=torch.bfloat16`` ...), so a
+    study can tell a flag a trial set to vLLM's default from a real change. Nested values
+    (``compilation_config={...}``, ``SomeConfig(...)``) are skipped; values are the logged text.
+    """
+    found = _ENGINE_CONFIG.findall(log_text)
+    if not found:
+        return {}
+    line = found[-1]  # the last start in this log
+    out: dict[str, str] = {}
+    depth = 0
+    quote = ""
+    start = 0
+    parts: list[str] = []
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(line[start:i])
+            start = i + 1
+    parts.append(line[start:])
+    for part in parts:
+        key, sep, value = part.strip().partition("=")
+        if not sep or not re.fullmatch(r"[a-z_][a-z0-9_]*", key):
+            continue
+        value = value.strip()
+        if value[:1] in "([{" or re.match(r"[A-Za-z]\w*\(", value):
+            continue  # nested config objects
+        out[key] = value.strip("'\"")
+    return out
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -572,6 +618,17 @@ class EngineProcess:
         resp = httpx.get(f"{self.url}/metrics", timeout=timeout_s)
         resp.raise_for_status()
         return info_labels(resp.text, "vllm:cache_config_info")
+
+    def effective_config(self) -> dict[str, str]:
+        """The engine's effective settings: its startup config line, then its cache config.
+
+        Keys are vLLM's snake_case field names; values are the text vLLM printed. Empty when
+        neither source answers (the caller records what it has, never fails a trial on it).
+        """
+        out = parse_engine_config(self.log_text())
+        with contextlib.suppress(Exception):
+            out.update(self.cache_config())
+        return out
 
     def stop(self) -> None:
         """Stop the whole process group; returns only when none of its processes is alive.

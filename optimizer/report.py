@@ -19,6 +19,7 @@ from rich.table import Table
 __all__ = [
     "FrontRow",
     "StudyStatus",
+    "changed_args",
     "front_rows",
     "front_table",
     "gain_pct",
@@ -61,6 +62,49 @@ def _args(trial: FrozenTrial) -> dict[str, Any]:
     return dict(json.loads(raw)) if isinstance(raw, str) else {}
 
 
+# Flags whose field in the engine's config line has another name.
+_EFFECTIVE_ALIASES = {"max_model_len": "max_seq_len"}
+
+
+def _same_as_logged(value: Any, logged: str) -> bool:
+    """True when a flag value equals the text vLLM logged for the field."""
+    if isinstance(value, bool):
+        return logged in ("True", "False") and (logged == "True") == value
+    if value is None:
+        return logged == "None"
+    if isinstance(value, int | float):
+        try:
+            return float(logged) == float(value)
+        except ValueError:
+            return False
+    if isinstance(value, str):
+        return value in (logged, logged.removeprefix("torch."))
+    return False
+
+
+def changed_args(trial: FrozenTrial, baseline: FrozenTrial | None) -> dict[str, Any]:
+    """Engine arguments of ``trial`` that change what the baseline ran with.
+
+    A flag the baseline left unset counts as changed unless the baseline's engine reported the
+    same value as its effective setting (``effective_config``: vLLM's own default there, e.g.
+    ``enable-prefix-caching=True`` on a build that enables it anyway). Flags whose default vLLM
+    does not report (``max-num-seqs``, ...) count as changed.
+    """
+    base = _args(baseline) if baseline else {}
+    effective = dict(baseline.user_attrs.get("effective_config") or {}) if baseline else {}
+    out = {}
+    for k, v in _args(trial).items():
+        if k in base:
+            if base[k] != v:
+                out[k] = v
+            continue
+        field = k.replace("-", "_")
+        logged = effective.get(_EFFECTIVE_ALIASES.get(field, field))
+        if logged is None or not _same_as_logged(v, logged):
+            out[k] = v
+    return out
+
+
 def _feasible(trial: FrozenTrial) -> bool:
     return all(v <= 0 for v in trial.constraints.values())
 
@@ -97,7 +141,7 @@ def front_rows(study: optuna.Study) -> list[FrontRow]:
             for v, b, d in zip(values, base_values, study.directions, strict=False)
         )
         args = _args(t)
-        changed = {k: v for k, v in args.items() if base_args.get(k) != v}
+        changed = changed_args(t, base)
         changed.update({k: "(default)" for k in base_args if k not in args})
         rows.append(
             FrontRow(

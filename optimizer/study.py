@@ -674,6 +674,8 @@ class StudyDriver:
         if result.server_metrics:
             trial.set_user_attr("server_metrics", dict(result.server_metrics))
         trial.set_user_attr("log_path", result.log_path)
+        if result.effective_config:
+            trial.set_user_attr("effective_config", dict(result.effective_config))
 
     def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
         self._record_attrs(trial, result, attempt)

@@ -155,6 +155,7 @@ def run_trial(
         if on_engine_ready is not None:
             on_engine_ready(engine)
         memory = engine.memory_account()
+        effective = engine.effective_config()
         t0 = time.monotonic()
         if isolate_client:
             with concurrent.futures.ProcessPoolExecutor(
@@ -188,6 +189,7 @@ def run_trial(
                     memory=memory,
                     log_path=exc.log_path,
                     log_lines=exc.log_lines,
+                    effective_config=effective,
                 ),
             )
         summary = dict(summarize(replay.records, slos=slos))
@@ -214,6 +216,7 @@ def run_trial(
                 memory=memory,
                 server_metrics=server_metrics,
                 log_path=str(engine.log_path),
+                effective_config=effective,
             ),
         )
     finally:
@@ -268,6 +271,7 @@ def _finish(spec: TrialSpec, result: TrialResult) -> TrialResult:
         "engine_args": dict(spec.engine.args),
         "log_path": result.log_path,
         "log_lines": list(result.log_lines),
+        "effective_config": dict(result.effective_config),
     }
     (workdir / "result.json").write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
     return result

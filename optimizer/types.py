@@ -227,6 +227,8 @@ class TrialResult:
         server_metrics: Selected ``/metrics`` values after the replay (preemptions, ...).
         log_path: The engine log.
         log_lines: Relevant log lines of a failure.
+        effective_config: The engine's settings once vLLM filled in its defaults (snake_case
+            field -> logged text; see ``EngineProcess.effective_config``).
     """
 
     number: int
@@ -241,3 +243,4 @@ class TrialResult:
     server_metrics: Mapping[str, float] = field(default_factory=dict)
     log_path: str = ""
     log_lines: tuple[str, ...] = ()
+    effective_config: Mapping[str, str] = field(default_factory=dict)

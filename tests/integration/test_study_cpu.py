@@ -151,6 +151,11 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
         summary = t.user_attrs["summary"]
         assert summary["completed"] > 0 and summary["failed"] == 0
         assert t.user_attrs["memory"]["kv_cache_tokens"] > 0
+    # The baseline's engine reported the settings it ran with, so "changed vs baseline" can
+    # tell a flag set to vLLM's own default from a real change.
+    effective = trials[0].user_attrs["effective_config"]
+    assert effective["enable_prefix_caching"] in ("True", "False")
+    assert effective["max_seq_len"] == str(job["engine"]["args"]["max-model-len"])
     # The Pareto table closes the run, the baseline beside the front.
     assert "Pareto front" in out and "(baseline)" in out
     assert re.search(r"trial 1 failed \(kv_cache_too_small\)", out)

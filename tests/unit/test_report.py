@@ -13,7 +13,7 @@ import math
 import optuna
 from rich.console import Console
 
-from optimizer.report import front_rows, front_table, status_table
+from optimizer.report import changed_args, front_rows, front_table, status_table
 
 DIRECTIONS = ["minimize", "minimize", "maximize"]
 WORST = [1e9, 1e9, 0.0]
@@ -72,3 +72,44 @@ def test_status_table_shows_every_engine_argument() -> None:
     text = _render(status_table(study))
     # All twelve long flags of trial 1 and the last one in full (no cut at 120 characters).
     assert "flag-11=xxxxxxxxxxxx" in text and "max-num-seqs=64" in text
+
+
+def test_a_flag_set_to_what_the_baseline_engine_ran_with_is_no_change() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=["maximize"])
+    base = study.ask()
+    base.set_user_attr("engine_args", json.dumps({"max-model-len": 2048}))
+    base.set_user_attr(
+        "effective_config",
+        {
+            "enable_prefix_caching": "True",
+            "enable_chunked_prefill": "True",
+            "max_seq_len": "2048",
+            "dtype": "torch.bfloat16",
+            "gpu_memory_utilization": "0.9",
+            "block_size": "128",
+        },
+    )
+    study.tell(base, [1.0])
+    tuned = study.ask()
+    args = {
+        "max-model-len": 2048,  # the baseline set it too: equal
+        "enable-prefix-caching": True,  # vLLM's default on this build
+        "dtype": "bfloat16",  # logged as torch.bfloat16
+        "gpu-memory-utilization": 0.9,
+        "enable-chunked-prefill": False,  # a real change
+        "block-size": 64,  # a real change
+        "max-num-seqs": 64,  # vLLM does not log its default: counted as a change
+    }
+    tuned.set_user_attr("engine_args", json.dumps(args))
+    study.tell(tuned, [2.0])
+    b, t = study.trials
+    assert changed_args(t, b) == {
+        "enable-chunked-prefill": False,
+        "block-size": 64,
+        "max-num-seqs": 64,
+    }
+    # Without the baseline's effective settings every unset flag counts, as before.
+    study2 = optuna.create_study(directions=["maximize"])
+    study2.add_trial(optuna.trial.create_trial(values=[1.0], user_attrs={"engine_args": "{}"}))
+    assert changed_args(t, study2.trials[0]) == args

