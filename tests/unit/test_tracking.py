@@ -246,6 +246,7 @@ def test_parent_and_one_child_per_trial_with_params_metrics_tags_and_artifacts(
     pareto = {a.path for a in client.list_artifacts(parent.info.run_id, "pareto")}
     assert {"pareto/front.json", "pareto/front.csv"} <= pareto
     assert any(p.endswith(".png") for p in pareto)
+    assert "pareto/pareto_front.html" in pareto  # Optuna's interactive plot (plotly)
     inputs = {a.path for a in client.list_artifacts(parent.info.run_id, "inputs")}
     assert inputs == {"inputs/job.yaml", "inputs/search_space.yaml", "inputs/trace.json"}
     job_yaml = Path(client.download_artifacts(parent.info.run_id, "inputs/job.yaml", str(tmp_path)))
