@@ -187,6 +187,7 @@ class Validation:
         chosen: Per objective, the values of the chosen configuration's runs.
         baseline: Per objective, the baseline's values.
         slo_failures: Runs of the chosen configuration that missed an SLO (or failed).
+        slo_met: Per label (``chosen``, ``baseline``), whether each measured run met every SLO.
     """
 
     metrics: list[str]
@@ -194,6 +195,13 @@ class Validation:
     chosen: dict[str, list[float]] = field(default_factory=dict)
     baseline: dict[str, list[float]] = field(default_factory=dict)
     slo_failures: list[str] = field(default_factory=list)
+    slo_met: dict[str, list[bool]] = field(default_factory=lambda: {"chosen": [], "baseline": []})
+
+    def slo_win(self) -> bool:
+        """True when the chosen configuration met the SLOs in every re-run and the baseline in
+        none: a separation no noise explains, whatever the objectives' medians say."""
+        chosen, base = self.slo_met["chosen"], self.slo_met["baseline"]
+        return bool(chosen) and bool(base) and all(chosen) and not any(base)
 
     def gain_pct(self, metric: str) -> tuple[float, float, float]:
         """Median gain over the baseline and its range (worst, best), in percent."""
@@ -226,7 +234,7 @@ class Validation:
         the re-runs (a load-bound objective that cannot move does not veto a real gain
         elsewhere), or an SLO failed on a re-run. Empty when the export may go ahead."""
         out = []
-        if all(self.within_noise(m) for m in primary):
+        if all(self.within_noise(m) for m in primary) and not self.slo_win():
             out.append(f"the gain on {', '.join(primary)} is within the noise of the re-runs")
         if self.slo_failures:
             out.append("SLOs failed on re-run: " + "; ".join(self.slo_failures))
@@ -243,6 +251,13 @@ class Validation:
                 for r in self.table()
             )
             + f" vs baseline, {runs} re-runs each"
+            + (
+                f"; SLOs met in {sum(self.slo_met['chosen'])}/{len(self.slo_met['chosen'])}"
+                f" re-runs (baseline {sum(self.slo_met['baseline'])}"
+                f"/{len(self.slo_met['baseline'])})"
+                if self.slo_met["baseline"]
+                else ""
+            )
         )
 
     def table(self) -> list[dict[str, Any]]:
@@ -328,6 +343,7 @@ def validate_choice(
             if ok:
                 for m, v in zip(metrics, values(result.summary), strict=True):
                     bucket[m].append(v)
+                val.slo_met[label].append(bool(feasible(result.summary)))
             if label == "chosen" and (not ok or not feasible(result.summary)):
                 val.slo_failures.append(
                     f"run {k + 1}: {result.status.value}"
