@@ -266,8 +266,8 @@ def parse_engine_config(log_text: str) -> dict[str, str]:
         if quote:
             if ch == quote:
                 quote = ""
-        elif ch in "'\"":
-            quote = ch
+        elif ch in "'\"" and (i == 0 or line[i - 1] in "=([{,: "):
+            quote = ch  # opens only where a value or key starts: not in "bob's"
         elif ch in "([{":
             depth += 1
         elif ch in ")]}":

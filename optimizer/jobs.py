@@ -1046,8 +1046,9 @@ class ExportResult:
 
 #: (record, study, chosen args, baseline args, runs) -> (gain text, problems). The service
 #: default re-runs both on the cluster; tests pass a fake.
+# (job, study, chosen args, baseline args, runs, the policy) -> (gain text, refusal reasons)
 Validator = Callable[
-    [JobRecord, optuna.Study, dict[str, Any], dict[str, Any], int], tuple[str, list[str]]
+    [JobRecord, optuna.Study, dict[str, Any], dict[str, Any], int, str], tuple[str, list[str]]
 ]
 
 
@@ -1464,7 +1465,7 @@ class JobService:
         if validate:
             if baseline is None:
                 raise SubmissionRefused("the study has no baseline to validate against", status=409)
-            gain, problems = self.validator(rec, study, args, _trial_args(baseline), runs)
+            gain, problems = self.validator(rec, study, args, _trial_args(baseline), runs, pol)
             if problems and not force:
                 raise SubmissionRefused(
                     "refusing to export: " + "; ".join(problems) + " (force=true exports anyway)",
@@ -1531,8 +1532,11 @@ def _cluster_validator(
     chosen: dict[str, Any],
     baseline: dict[str, Any],
     runs: int,
+    policy: str,
 ) -> tuple[str, list[str]]:
-    """Re-run the chosen configuration and the baseline on the cluster (blocking)."""
+    """Re-run the chosen configuration and the baseline on the cluster (blocking); refuse by
+    the same rule as the CLI (:meth:`optimizer.export.Validation.problems`, the policy's own
+    objectives)."""
     from optimizer import export as ex
     from optimizer.runners import RayRunner
     from optimizer.study import prepare
@@ -1567,4 +1571,4 @@ def _cluster_validator(
         feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
         runs=runs,
     )
-    return val.gain_text(), val.problems(ex.primary_metrics("", names))
+    return val.gain_text(), val.problems(ex.primary_metrics(policy, names))

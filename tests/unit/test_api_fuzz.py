@@ -60,7 +60,10 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_App]:
     tmp = tmp_path_factory.mktemp("api-fuzz")
     launcher = FakeLauncher()
     service = make_service(tmp, launcher, max_upload_bytes=64 * 1024)
-    service.validator = lambda _rec, _study, _chosen, _base, runs: (f"fake, {runs} runs", [])
+    service.validator = lambda _rec, _study, _chosen, _base, runs, _policy: (
+        f"fake, {runs} runs",
+        [],
+    )
     running, queued = submit(service, "fuzz-running"), submit(service, "fuzz-queued")
     service.scheduler.tick()
     launcher.drivers[running] = DriverStatus("starting")

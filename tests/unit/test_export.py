@@ -371,6 +371,15 @@ def test_helm_puts_values_the_chart_cannot_type_into_extra_args() -> None:
     assert cfg["tensorParallelSize"] == 2 and "maxModelLen" not in cfg
     i = cfg["extraArgs"].index("--max-model-len")
     assert cfg["extraArgs"][i + 1] == "8k"
+    # Values vLLM accepts but the chart's fields cannot hold: -1 (auto-fit), a non-finite or
+    # out-of-range share. They travel as CLI words instead of breaking the export.
+    odd = {"max-model-len": -1, "gpu-memory-utilization": float("nan"), "max-num-seqs": 1e400}
+    cfg = yaml.safe_load(ex.render("helm", _ctx(**odd)))["servingEngineSpec"]["modelSpec"][0][
+        "vllmConfig"
+    ]
+    assert not {"maxModelLen", "gpuMemoryUtilization", "maxNumSeqs"} & set(cfg)
+    assert cfg["extraArgs"][cfg["extraArgs"].index("--max-model-len") + 1] == "-1"
+    assert "--gpu-memory-utilization" in cfg["extraArgs"]
 
 
 def test_names_are_dns_labels_for_any_study_name() -> None:
@@ -434,7 +443,14 @@ def test_helm_values_against_the_real_chart_schema_when_one_is_given() -> None:
     path = os.environ.get("VLLM_AUTOTUNE_CHART_SCHEMA")
     if not path:
         pytest.skip("VLLM_AUTOTUNE_CHART_SCHEMA is not set")
-    for ctx in (_ctx(), _ctx(**{"tensor-parallel-size": 2, "gpu-memory-utilization": 0.85})):
+    import dataclasses
+
+    contexts = (
+        _ctx(),
+        _ctx(**{"tensor-parallel-size": 2, "gpu-memory-utilization": 0.85}),
+        dataclasses.replace(_ctx(), gpus=0, env={}),
+    )
+    for ctx in contexts:
         values = yaml.safe_load(ex.render("helm", ctx))
         assert ex.helm_schema_problems(values, Path(path)) == []
 
@@ -449,6 +465,13 @@ def test_meeting_the_slos_the_baseline_misses_in_every_rerun_is_a_gain() -> None
     mixed = _fake_validation([100, 101, 99], [100, 99, 101], base_feasible=[False, True, False])
     assert not mixed.slo_win()
     assert "within the noise" in mixed.problems(["output_throughput"])[0]
+    # Bought with a primary objective that got worse in every pairing: refused, and said so.
+    costly = _fake_validation([70, 71, 69], [100, 99, 101], base_feasible=[False] * 3)
+    assert costly.slo_win()
+    assert "worse in every pairing" in costly.problems(["output_throughput"])[0]
+    # A study without a miss on either side says nothing about SLOs in its header.
+    plain = _fake_validation([120, 125, 130], [100, 101, 99])
+    assert "SLOs met" not in plain.gain_text()
     # And a chosen configuration that misses an SLO itself is refused whatever the baseline did.
     worse = _fake_validation([100, 101, 99], [100, 99, 101], False, [False] * 3)
     assert not worse.slo_win() and any(

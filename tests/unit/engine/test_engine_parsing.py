@@ -140,6 +140,9 @@ def test_engine_config_line_gives_vllms_effective_settings() -> None:
     assert "compilation_config" not in cfg and "aux_output_config" not in cfg
     assert "backend" not in cfg and "mode" not in cfg and "max_bytes" not in cfg
     assert parse_engine_config("no config line here") == {}
+    # An apostrophe inside an unquoted value does not swallow the keys after it.
+    odd = CONFIG_LOG.replace("served_model_name=/m/tiny", "served_model_name=/m/bob's")
+    assert parse_engine_config(odd)["enable_prefix_caching"] == "True"
     # A restarted engine logs again: the last line wins.
     again = CONFIG_LOG.replace("max_seq_len=2048", "max_seq_len=4096")
     assert parse_engine_config(CONFIG_LOG + again)["max_seq_len"] == "4096"
