@@ -702,7 +702,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         args=args,
         vllm=saved.get("vllm", "?"),
         hardware=saved.get("hardware", "?"),
-        trace=saved.get("trace", "?"),
+        trace=ex.trace_label(saved),
         gain=gain,
         gpus=int(args.get("tensor-parallel-size", 1) or 1)
         * int(args.get("pipeline-parallel-size", 1) or 1),

@@ -47,6 +47,7 @@ __all__ = [
     "primary_metrics",
     "render",
     "select_trial",
+    "trace_label",
     "validate_choice",
 ]
 
@@ -609,6 +610,15 @@ def helm_schema_problems(values: Any, schema_path: Path | None = None) -> list[s
         raise ConfigError(f"{path}: not a valid JSON Schema: {exc.message}") from exc
     errors = sorted(cls(schema).iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
     return [f"{_json_path(list(e.absolute_path))}: {e.message}" for e in errors]
+
+
+def trace_label(plan_doc: Mapping[str, Any]) -> str:
+    """How an export header names the trace: the file's name and the replayed request count
+    (not the tuning machine's path)."""
+    trace = str(plan_doc.get("trace") or "?")
+    label = Path(trace).name if trace != "?" else trace
+    n = plan_doc.get("requests")
+    return f"{label}, {n} requests replayed" if n else label
 
 
 def _accelerator_type(hardware: str) -> str | None:

@@ -1487,7 +1487,7 @@ class JobService:
             args=args,
             vllm=saved.get("vllm", "?"),
             hardware=saved.get("hardware", "?"),
-            trace=saved.get("trace", "?"),
+            trace=ex.trace_label(saved),
             gain=gain,
             gpus=int(args.get("tensor-parallel-size", 1) or 1)
             * int(args.get("pipeline-parallel-size", 1) or 1),

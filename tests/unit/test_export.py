@@ -477,3 +477,9 @@ def test_meeting_the_slos_the_baseline_misses_in_every_rerun_is_a_gain() -> None
     assert not worse.slo_win() and any(
         "SLOs failed" in p for p in worse.problems(["output_throughput"])
     )
+
+
+def test_export_headers_name_the_trace_not_the_tuning_machines_path() -> None:
+    doc = {"trace": "/somewhere/on/the/tuner/azure2023_code_600.csv", "requests": 63}
+    assert ex.trace_label(doc) == "azure2023_code_600.csv, 63 requests replayed"
+    assert ex.trace_label({}) == "?"
