@@ -117,7 +117,8 @@ class ObjectivesSection(_Strict):
             max output_throughput).
         objectives: Instead of a preset, e.g. ``["min:p95_ttft_ms", "max:output_throughput"]``.
         slos: Constraints such as ``p95_ttft_ms<=500``; trials that miss one are infeasible.
-        early_stop: Stop a replay once its SLOs can no longer be met.
+        early_stop: Stop a tuned trial's replay once its SLOs can no longer be met (the baseline
+            always replays the whole trace: it is the reference).
     """
 
     preset: str | None = "default"

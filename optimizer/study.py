@@ -605,6 +605,9 @@ class StudyDriver:
             workdir=self.plan.out / "trials" / f"{trial.number:04d}" / f"attempt-{attempt}",
             # Fresh prompts per trial and attempt: nothing is served from an earlier cache.
             seed=trial.number * 1000 + attempt + 1,
+            # The baseline is the reference every gain is read against: it replays the whole
+            # trace even when it misses an SLO, so the report compares full measurements.
+            early_stop=False if trial.user_attrs.get(BASELINE_ATTR) else None,
         )
 
     def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:

@@ -284,15 +284,18 @@ def test_early_stopped_trial_reports_its_measured_slo_margins(tmp_path: Path) ->
             "max-num-batched-tokens": {"type": "categorical", "choices": [1024]},
         },
     }
+    runner = FakeRunner()
     study = _driver(
         tmp_path,
-        FakeRunner(),
+        runner,
         search_space=space,
         trials=2,
         objectives={"preset": "default", "slos": ["p95_ttft_ms<=400", "p95_tpot_ms<=50"]},
     ).run()
     stopped = study.get_trials()[1]
     assert stopped.user_attrs["status"] == "infeasible"
+    # Early stop is for tuned trials; the baseline always replays the whole trace.
+    assert [s.early_stop for s in runner.specs] == [False, True]
     # 1600 ms against 400 ms: 3x over; TPOT 5 ms against 50 ms: met (negative margin).
     assert stopped.constraints["p95_ttft_ms<=400"] == pytest.approx(3.0)
     assert stopped.constraints["p95_tpot_ms<=50"] < 0
