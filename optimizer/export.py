@@ -18,6 +18,7 @@ order), so export is three steps:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -503,14 +504,11 @@ _HELM_KNOWN: dict[str, tuple[str, type]] = {
     "enable-prefix-caching": ("enablePrefixCaching", bool),
     "max-num-seqs": ("maxNumSeqs", int),
 }
-# Ranges the contract gives the numeric fields: (low, high, low is exclusive).
-_HELM_RANGE: dict[type, tuple[float, float, bool]] = {int: (1, math.inf, False)}
-_HELM_FIELD_RANGE = {"gpuMemoryUtilization": (0.0, 1.0, True)}
 
 
-def _helm_typed(value: Any, kind: type, field: str = "") -> Any:
-    """``value`` as the chart field's type, or None when the field cannot hold it (a spelling
-    only vLLM's CLI understands, e.g. ``8k`` or ``-1`` for ``--max-model-len``)."""
+def _helm_typed(value: Any, kind: type) -> Any:
+    """``value`` converted to the chart field's type, or None when it is not one (``8k``,
+    ``nan``, a bool for a number). Ranges are the contract's: see :func:`_helm_field_holds`."""
     if kind is bool:
         return value if isinstance(value, bool) else None
     if isinstance(value, bool):
@@ -519,17 +517,30 @@ def _helm_typed(value: Any, kind: type, field: str = "") -> Any:
         return value if isinstance(value, str) else None
     try:
         number = float(value)
-        typed = kind(value) if kind is not int else int(number)
+        typed = int(number) if kind is int else kind(value)
     except (TypeError, ValueError, OverflowError):
         return None
     if not math.isfinite(number) or (kind is int and number != typed):
         return None
-    low, high, exclusive = _HELM_FIELD_RANGE.get(field) or _HELM_RANGE.get(
-        kind, (-math.inf, math.inf, False)
-    )
-    if number > high or number < low or (exclusive and number == low):
-        return None
     return typed
+
+
+@functools.cache
+def _helm_contract() -> tuple[dict[str, Any], Any]:
+    """The bundled values contract and its JSON Schema validator class (read once)."""
+    import jsonschema
+
+    schema = json.loads(HELM_SCHEMA.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return schema, cls
+
+
+def _helm_field_holds(field: str, value: Any) -> bool:
+    """True when the contract's ``vllmConfig.<field>`` accepts ``value`` (its type and range,
+    e.g. ``maxModelLen >= 1``: vLLM's ``-1`` auto-fit is a CLI spelling, not a chart value)."""
+    schema, cls = _helm_contract()
+    return bool(cls(schema["$defs"]["vllmConfig"]["properties"][field]).is_valid(value))
 
 
 def _helm(ctx: ExportContext) -> str:
@@ -538,8 +549,8 @@ def _helm(ctx: ExportContext) -> str:
     extra: list[str] = []
     for k, v in args.items():
         field, kind = _HELM_KNOWN.get(k, ("", object))
-        typed = _helm_typed(v, kind, field) if field else None
-        if typed is not None:
+        typed = _helm_typed(v, kind) if field else None
+        if typed is not None and _helm_field_holds(field, typed):
             vllm_config[field] = typed
         else:  # no chart field, or a spelling only vLLM's CLI understands: pass it through
             extra += _cli_words({k: v})
@@ -593,21 +604,25 @@ def helm_schema_problems(values: Any, schema_path: Path | None = None) -> list[s
     """
     import jsonschema
 
-    path = schema_path or HELM_SCHEMA
-    try:
-        schema = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the chart schema ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); give the chart's "
-            "values.schema.json"
-        ) from exc
-    cls = jsonschema.validators.validator_for(schema)
-    try:
-        cls.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise ConfigError(f"{path}: not a valid JSON Schema: {exc.message}") from exc
+    if schema_path is None:
+        schema, cls = _helm_contract()
+    else:
+        try:
+            schema = json.loads(Path(schema_path).read_text())
+        except OSError as exc:
+            raise ConfigError(
+                f"{schema_path}: cannot read the chart schema ({exc.strerror})"
+            ) from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{schema_path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); give the chart's "
+                "values.schema.json"
+            ) from exc
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise ConfigError(f"{schema_path}: not a valid JSON Schema: {exc.message}") from exc
     errors = sorted(cls(schema).iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
     return [f"{_json_path(list(e.absolute_path))}: {e.message}" for e in errors]
 

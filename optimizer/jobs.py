@@ -1044,9 +1044,8 @@ class ExportResult:
     gain: str
 
 
-#: (record, study, chosen args, baseline args, runs) -> (gain text, problems). The service
-#: default re-runs both on the cluster; tests pass a fake.
-# (job, study, chosen args, baseline args, runs, the policy) -> (gain text, refusal reasons)
+#: (record, study, chosen args, baseline args, runs, policy) -> (gain text, problems). The
+#: service default re-runs both on the cluster; tests pass a fake.
 Validator = Callable[
     [JobRecord, optuna.Study, dict[str, Any], dict[str, Any], int, str], tuple[str, list[str]]
 ]

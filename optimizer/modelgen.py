@@ -29,47 +29,43 @@ _LLAMA31_ROPE = {
     "rope_type": "llama3",
 }
 
+# The made-up Llama shapes for CPU tests and demos: a 4k vocabulary, head sizes that are
+# multiples of 32 (the CPU build's attention), everything but the sizes in common.
+_LOCAL_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 4094,
+    "eos_token_id": 4095,
+    "_special": {4094: "<s>", 4095: "</s>"},
+}
+
 # Architecture numbers as published by the models' authors (config.json of the HF releases).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **_LOCAL_LLAMA,
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
-        "vocab_size": 4096,
-        "max_position_embeddings": 8192,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 4094,
-        "eos_token_id": 4095,
-        "_special": {4094: "<s>", 4095: "</s>"},
     },
     # Big enough that compute, not Python overhead, sets a CPU server's step time (about 15 M
     # parameters): scheduler knobs then move TTFT and TPOT on 2 cores as they do on a GPU.
     "small": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **_LOCAL_LLAMA,
         "hidden_size": 512,
         "intermediate_size": 1536,
         "num_hidden_layers": 4,
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 64,
-        "vocab_size": 4096,
-        "max_position_embeddings": 8192,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 4094,
-        "eos_token_id": 4095,
-        "_special": {4094: "<s>", 4095: "</s>"},
     },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
