@@ -12,6 +12,7 @@ from objectives.early_stop import (
 )
 from objectives.metrics import DEFAULT_PERCENTILES, LATENCY_METRICS, percentile_key, summarize
 from objectives.presets import (
+    CAPACITY_METRICS,
     FAILED_CONSTRAINT,
     OBJECTIVE_PRESETS,
     WORST_MINIMIZE,
@@ -33,6 +34,7 @@ from objectives.slo import (
 )
 
 __all__ = [
+    "CAPACITY_METRICS",
     "DEFAULT_PERCENTILES",
     "FAILED_CONSTRAINT",
     "LATENCY_METRICS",

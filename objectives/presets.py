@@ -9,7 +9,10 @@ A trial whose engine failed is told :meth:`ObjectiveSet.worst` and
 
 Presets: ``default`` (min P95 TTFT, min P95 TPOT, max output throughput), ``latency``
 (min P95 TTFT, min P95 TPOT), ``throughput`` (max output throughput, min P95 TTFT) and
-``goodput`` (max requests/s meeting every SLO; needs SLOs).
+``goodput`` (max requests/s meeting every SLO; needs SLOs), ``capacity`` (max requests/s of
+the trace's traffic mix one server carries with every SLO held: a rate search per trial, see
+:mod:`optimizer.capacity`; needs SLOs) and ``capacity-latency`` (capacity, plus P95 TTFT and
+TPOT at the nominal scale, measured as the search's first step).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from objectives.slo import Slo, is_summary_key, parse_slo
 from optimizer.errors import ConfigError
 
 __all__ = [
+    "CAPACITY_METRICS",
     "FAILED_CONSTRAINT",
     "OBJECTIVE_PRESETS",
     "WORST_MINIMIZE",
@@ -55,9 +59,24 @@ _MAXIMIZED: Final[frozenset[str]] = frozenset(
         "request_goodput",
         "completed",
         "good_completed",
+        "capacity_scale",
+        "capacity_rps",
+        "capacity_output_tps",
     }
 )
-_NEEDS_SLOS: Final[frozenset[str]] = frozenset({"request_goodput", "good_completed"})
+CAPACITY_METRICS: Final[frozenset[str]] = frozenset(
+    {
+        "capacity_scale",
+        "capacity_rps",
+        "capacity_output_tps",
+        "nominal_p95_ttft_ms",
+        "nominal_p95_tpot_ms",
+    }
+)
+"""Metrics only a capacity search measures: a study with one of them runs capacity trials."""
+_NEEDS_SLOS: Final[frozenset[str]] = frozenset(
+    {"request_goodput", "good_completed", "capacity_scale", "capacity_rps", "capacity_output_tps"}
+)
 _DIRECTION_WORDS: Final[dict[str, Direction]] = {
     "min": "minimize",
     "minimize": "minimize",
@@ -86,6 +105,10 @@ _COMMON_METRICS: Final[tuple[str, ...]] = (
     "total_token_throughput",
     "request_goodput",
     "error_rate",
+    "capacity_rps",
+    "capacity_output_tps",
+    "nominal_p95_ttft_ms",
+    "nominal_p95_tpot_ms",
 )
 _VALID_METRICS: Final[str] = (
     "valid metrics are summary keys such as "
@@ -192,9 +215,14 @@ class ObjectiveSet:
         needing = [m for m in metrics if m in _NEEDS_SLOS]
         if needing and not self.slos:
             raise ObjectiveError(
-                f"objective {needing[0]!r} counts requests meeting the SLOs, but no SLO is "
-                "given; add one, e.g. p95_ttft_ms<=500 and p95_tpot_ms<=50"
+                f"objective {needing[0]!r} counts what is served within the SLOs, but no SLO "
+                "is given; add one, e.g. p95_ttft_ms<=500 and p95_tpot_ms<=50"
             )
+
+    @property
+    def is_capacity(self) -> bool:
+        """True when an objective is only measured by a capacity search."""
+        return any(o.metric in CAPACITY_METRICS for o in self.objectives)
 
     @property
     def directions(self) -> list[str]:
@@ -270,8 +298,14 @@ OBJECTIVE_PRESETS: Final[Mapping[str, tuple[Objective, ...]]] = {
     "latency": _objectives(("p95_ttft_ms", "minimize"), ("p95_tpot_ms", "minimize")),
     "throughput": _objectives(("output_throughput", "maximize"), ("p95_ttft_ms", "minimize")),
     "goodput": _objectives(("request_goodput", "maximize")),
+    "capacity": _objectives(("capacity_rps", "maximize")),
+    "capacity-latency": _objectives(
+        ("capacity_rps", "maximize"),
+        ("nominal_p95_ttft_ms", "minimize"),
+        ("nominal_p95_tpot_ms", "minimize"),
+    ),
 }
-"""Named objective lists; ``goodput`` needs SLOs."""
+"""Named objective lists; ``goodput``, ``capacity`` and ``capacity-latency`` need SLOs."""
 
 
 def parse_objective(text: str) -> Objective:

@@ -78,6 +78,12 @@ _SCALAR_KEYS: Final[frozenset[str]] = frozenset(
         "request_goodput",
         "good_completed",
         "max_send_lag_ms",
+        # A capacity trial's answer (optimizer.capacity.trial): not SLO-able per request.
+        "capacity_scale",
+        "capacity_rps",
+        "capacity_output_tps",
+        "nominal_p95_ttft_ms",
+        "nominal_p95_tpot_ms",
     }
 )
 _PERCENTILE = r"p(?:100|[1-9]?[0-9])(?:\.[0-9]+)?"

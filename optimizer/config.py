@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from optimizer.errors import ConfigError
 
 __all__ = [
+    "CapacitySection",
     "EngineSection",
     "JobConfig",
     "ModelSection",
@@ -127,6 +128,57 @@ class ObjectivesSection(_Strict):
     early_stop: bool = True
 
 
+class CapacitySection(_Strict):
+    """The per-trial capacity search (used when an objective is a capacity metric).
+
+    Attributes:
+        start_scale: First rate scale, the nominal load (1.0: the shaped trace as is).
+        min_scale: Lowest scale tried; failing there is capacity 0.
+        max_scale: Highest scale tried.
+        tolerance: Stop once the bracket ``hi / lo - 1`` is within this.
+        max_steps: Replays per trial, noise repeats included.
+        noise: Repeat a step whose deciding SLO margin is within this of its threshold.
+        max_repeats: Extra replays of such a step.
+        peak_rps: A peak request rate to provision for: the answer then says how many GPUs
+            the baseline and the winner need for it.
+        gpu_hour_price: Price of one GPU-hour: the answer then says the cost per million
+            output tokens at capacity.
+    """
+
+    start_scale: float = Field(default=1.0, gt=0)
+    min_scale: float = Field(default=1.0 / 16, gt=0)
+    max_scale: float = Field(default=16.0, gt=0)
+    tolerance: float = Field(default=0.05, gt=0, lt=1)
+    max_steps: int = Field(default=8, ge=1, le=64)
+    noise: float = Field(default=0.05, ge=0)
+    max_repeats: int = Field(default=1, ge=0, le=5)
+    peak_rps: float | None = Field(default=None, gt=0)
+    gpu_hour_price: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _scales(self) -> CapacitySection:
+        if not self.min_scale <= self.start_scale <= self.max_scale:
+            raise ValueError(
+                "capacity scales must satisfy min_scale <= start_scale <= max_scale "
+                f"(got {self.min_scale:g}, {self.start_scale:g}, {self.max_scale:g})"
+            )
+        return self
+
+    def settings(self) -> Any:
+        """The search settings (:class:`optimizer.capacity.CapacitySettings`)."""
+        from optimizer.capacity.search import CapacitySettings
+
+        return CapacitySettings(
+            start_scale=self.start_scale,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            tolerance=self.tolerance,
+            max_steps=self.max_steps,
+            noise=self.noise,
+            max_repeats=self.max_repeats,
+        )
+
+
 class SamplerSection(_Strict):
     """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison."""
 
@@ -154,6 +206,8 @@ class JobConfig(_Strict):
         trace: The workload.
         search_space: A preset name, a YAML path, or an inline space.
         objectives: Objectives and SLOs.
+        capacity: The capacity search of each trial (with a capacity objective), and what
+            the answer is priced in (peak rate, GPU-hour price).
         sampler: The Optuna sampler.
         trials: Number of trials, baseline included (None: until the budget ends).
         budget: Wall-clock budget, e.g. ``8h`` or ``90m``: stop launching after it.
@@ -175,6 +229,7 @@ class JobConfig(_Strict):
     trace: TraceSection
     search_space: str | dict[str, Any] = "default"
     objectives: ObjectivesSection = Field(default_factory=ObjectivesSection)
+    capacity: CapacitySection = Field(default_factory=CapacitySection)
     sampler: SamplerSection = Field(default_factory=SamplerSection)
     trials: int | None = Field(default=None, ge=1)
     budget: str | None = None

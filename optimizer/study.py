@@ -38,7 +38,9 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from objectives import FAILED_CONSTRAINT, ObjectiveSet, load_objectives
+from objectives import ObjectiveSet, load_objectives
+from optimizer.capacity.measure import dev_mode_env
+from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.errors import ConfigError
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
@@ -112,9 +114,14 @@ class StudyPlan:
             early_stop: Override the job's early-stop setting.
         """
         job = self.job
+        capacity = job.capacity.settings() if self.objectives.is_capacity else None
+        env = dict(self.engine.env)
+        if capacity is not None:
+            # /reset_prefix_cache between capacity steps (dev-mode endpoints only).
+            env.update(dev_mode_env())
         return TrialSpec(
             number=number,
-            engine=EngineConfig(model=self.engine.model, args=args, env=dict(self.engine.env)),
+            engine=EngineConfig(model=self.engine.model, args=args, env=env),
             trace=self.trace,
             workdir=str(workdir),
             token_range=self.token_range,
@@ -126,6 +133,7 @@ class StudyPlan:
             startup_timeout_s=job.engine.startup_timeout_s,
             python=job.engine.python,
             max_send_lag_ms=job.trace.max_send_lag_ms,
+            capacity=capacity,
         )
 
     @property
@@ -679,11 +687,21 @@ class StudyDriver:
         trial.set_user_attr("log_path", result.log_path)
         if result.effective_config:
             trial.set_user_attr("effective_config", dict(result.effective_config))
+        if result.capacity:
+            trial.set_user_attr("capacity", _json_safe(result.capacity))
 
     def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
         self._record_attrs(trial, result, attempt)
         objectives = self.plan.objectives
-        if result.status is TrialStatus.COMPLETE:
+        if result.status is TrialStatus.COMPLETE and result.capacity:
+            # A capacity trial: feasible when some scale met every SLO (capacity > 0).
+            names = [str(slo) for slo in objectives.slos]
+            for name, margin in zip(
+                names, capacity_constraints(result.capacity, names), strict=True
+            ):
+                trial.set_constraint(name, margin)
+            self.study.tell(trial, objectives.values(result.summary))
+        elif result.status is TrialStatus.COMPLETE:
             for slo, margin in zip(
                 objectives.slos, objectives.constraints(result.summary), strict=True
             ):
@@ -691,21 +709,11 @@ class StudyDriver:
             self.study.tell(trial, objectives.values(result.summary))
         elif result.status is TrialStatus.INVALID_REPLAY:
             self.study.tell(trial, state=TrialState.FAIL)
-        elif result.status is TrialStatus.INFEASIBLE and result.summary and objectives.slos:
-            # Stopped early: the partial evidence says how far each SLO was from being met, so
-            # the sampler can tell "6 % over" from "4x over" (values stay worst-case: a
-            # partial window is not comparable with a full one).
-            margins = [
-                m if math.isfinite(m) else FAILED_CONSTRAINT
-                for m in objectives.constraints(result.summary)
-            ]
-            if max(margins) <= 0:
-                # The stop rule saw the miss coming before the partial percentiles did.
-                margins = [max(m, 1e-3) for m in margins]
-            for slo, margin in zip(objectives.slos, margins, strict=True):
-                trial.set_constraint(str(slo), margin)
-            self.study.tell(trial, objectives.worst())
         else:
+            # Failed, or stopped early: a stopped replay's figures cover a partial window whose
+            # values depend on when the stop came, so they are kept in the trial's attributes
+            # (marked partial) but never told as if comparable with a full replay: worst values,
+            # every SLO violated.
             self._tell_failure(trial, result.status, result.message, record=False)
 
     def _tell_failure(
@@ -743,6 +751,17 @@ class StudyDriver:
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN / infinity as None, so every storage keeps it as JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def completed_trials(study: optuna.Study) -> list[FrozenTrial]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import gzip
 import json
 import multiprocessing
 import os
@@ -19,21 +18,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from objectives import Slo, parse_slo, summarize
-from objectives.early_stop import EarlyStopper, Observations
+from objectives import parse_slo, summarize
+from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
+from optimizer.capacity.trial import run_capacity
 from optimizer.engine import EngineProcess
 from optimizer.errors import EngineError
+from optimizer.trial_io import read_records, write_records
 from optimizer.types import (
     FailureClass,
-    RequestRecord,
     TrialResult,
     TrialSpec,
     TrialStatus,
 )
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
+from optimizer.workload.replay import ReplayProgress, ReplayResult, run_replay
+
+_T = TypeVar("_T")
 
 __all__ = ["SERVER_METRICS", "boost_priority", "read_records", "run_trial", "write_records"]
 
@@ -46,25 +48,6 @@ SERVER_METRICS = (
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
 )
-
-
-def write_records(records: tuple[RequestRecord, ...] | list[RequestRecord], path: Path) -> None:
-    """Per-request records as gzip-compressed JSON lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        for r in records:
-            f.write(json.dumps(asdict(r), separators=(",", ":")) + "\n")
-
-
-def read_records(path: Path) -> list[RequestRecord]:
-    """Read records written by :func:`write_records`."""
-    out = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            d = json.loads(line)
-            d["chunk_times_s"] = tuple(d["chunk_times_s"])
-            out.append(RequestRecord(**d))
-    return out
 
 
 def boost_priority(niceness: int = -10) -> bool:
@@ -101,7 +84,11 @@ def _replay(
         max_duration_s=spec.max_duration_s,
         progress=progress,
         max_send_lag_ms=spec.max_send_lag_ms,
-        stop_check=_early_stop(spec, slos) if spec.early_stop else None,
+        stop_check=(
+            early_stop_check(slos, max(0, len(spec.trace) - spec.warmup_requests))
+            if spec.early_stop
+            else None
+        ),
     )
 
 
@@ -157,21 +144,54 @@ def run_trial(
         memory = engine.memory_account()
         effective = engine.effective_config()
         t0 = time.monotonic()
-        if isolate_client:
-            with concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn")
-            ) as pool:
-                replay = pool.submit(_replay, spec, engine.url, None, True).result()
-        else:
-            # Boost only now: the server, started above, keeps its normal priority.
-            before = os.getpriority(os.PRIO_PROCESS, 0)
+        if spec.capacity is not None:
+            outcome = _in_client(run_capacity, spec, engine.url, progress, isolate_client)
+            replay_s = time.monotonic() - t0
+            server_metrics = _scrape(engine)
             try:
-                replay = _replay(spec, engine.url, progress, True)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, 0, before)
+                engine.check_alive()
+            except EngineError as exc:
+                return _finish(
+                    spec,
+                    TrialResult(
+                        number=spec.number,
+                        status=TrialStatus.FAILED,
+                        failure_class=exc.failure_class,
+                        message="the engine died during the capacity search: " + exc.explanation,
+                        records=outcome.records,
+                        summary=outcome.summary,
+                        startup_s=engine.startup_s,
+                        replay_s=replay_s,
+                        memory=memory,
+                        log_path=exc.log_path,
+                        log_lines=exc.log_lines,
+                        effective_config=effective,
+                        capacity=outcome.doc,
+                    ),
+                )
+            return _finish(
+                spec,
+                TrialResult(
+                    number=spec.number,
+                    status=TrialStatus.INVALID_REPLAY if outcome.invalid else TrialStatus.COMPLETE,
+                    summary=outcome.summary,
+                    records=outcome.records,
+                    message=outcome.message,
+                    startup_s=engine.startup_s,
+                    replay_s=replay_s,
+                    memory=memory,
+                    server_metrics=server_metrics,
+                    log_path=str(engine.log_path),
+                    effective_config=effective,
+                    capacity=outcome.doc,
+                ),
+            )
+        replay = _in_client(_replay, spec, engine.url, progress, isolate_client)
         replay_s = time.monotonic() - t0
         server_metrics = _scrape(engine)
+        stopped = replay.stopped_early and replay.stop_reason.startswith(EARLY_STOP_PREFIX)
+        # Requests an early stop never sent or cancelled are not the server's failures.
+        measured = measured_records(replay.records) if stopped else list(replay.records)
         try:
             engine.check_alive()
         except EngineError as exc:
@@ -183,7 +203,7 @@ def run_trial(
                     failure_class=exc.failure_class,
                     message="the engine died during the replay: " + exc.explanation,
                     records=replay.records,
-                    summary=summarize(replay.records, slos=slos),
+                    summary=summarize(measured, slos=slos),
                     startup_s=engine.startup_s,
                     replay_s=replay_s,
                     memory=memory,
@@ -192,15 +212,17 @@ def run_trial(
                     effective_config=effective,
                 ),
             )
-        summary = dict(summarize(replay.records, slos=slos))
+        summary = dict(summarize(measured, slos=slos))
         summary["p99_send_lag_ms"] = replay.p99_send_lag_ms
         message = replay.message
         if not replay.schedule_kept:
             status = TrialStatus.INVALID_REPLAY
-        elif replay.stopped_early and replay.stop_reason.startswith(_EARLY):
-            # Partial evidence is kept; the summary covers what was measured before the stop.
+        elif stopped:
+            # Partial evidence is kept (marked partial); the sampler is never told it as if it
+            # were a full replay (see StudyDriver._tell).
             status = TrialStatus.INFEASIBLE
             message = replay.stop_reason
+            summary["partial"] = 1.0
         else:
             status = TrialStatus.COMPLETE
         return _finish(
@@ -223,27 +245,26 @@ def run_trial(
         engine.stop()
 
 
-_EARLY = "SLO out of reach: "
-
-
-def _early_stop(spec: TrialSpec, slos: list[Slo]) -> Callable[[ReplaySnapshot], str | None] | None:
-    """A replay stop check that fires once the trial's SLOs can no longer be met."""
-    expected = max(0, len(spec.trace) - spec.warmup_requests)
-    stopper = EarlyStopper(slos, expected)
-    if not stopper.active():
-        return None
-
-    def check(snap: ReplaySnapshot) -> str | None:
-        obs = Observations.from_records(
-            snap.finished,
-            now_s=snap.now_s,
-            in_flight_sent_s=snap.streaming_sent_s,
-            waiting_sent_s=snap.waiting_sent_s,
-        )
-        reason = stopper.check(obs)
-        return _EARLY + reason if reason else None
-
-    return check
+def _in_client(
+    fn: Callable[..., _T],
+    spec: TrialSpec,
+    url: str,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> _T:
+    """Run the client side of a trial here or, isolated, in a fresh process of its own."""
+    if isolate_client:
+        with concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            return pool.submit(fn, spec, url, None, True).result()
+    # Boost only now: the server, started above, keeps its normal priority.
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        return fn(spec, url, progress, True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
 def _scrape(engine: EngineProcess) -> dict[str, float]:
@@ -272,6 +293,7 @@ def _finish(spec: TrialSpec, result: TrialResult) -> TrialResult:
         "log_path": result.log_path,
         "log_lines": list(result.log_lines),
         "effective_config": dict(result.effective_config),
+        "capacity": dict(result.capacity) if result.capacity else None,
     }
     (workdir / "result.json").write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
     return result

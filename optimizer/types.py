@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optimizer.capacity.search import CapacitySettings
 
 __all__ = [
     "EngineConfig",
@@ -193,6 +196,8 @@ class TrialSpec:
         startup_timeout_s: Engine startup limit.
         python: Interpreter with vLLM (None: the current one).
         max_send_lag_ms: Bound on the client's P99 send lag for a valid replay.
+        capacity: Search this configuration's capacity at the SLOs (a
+            :class:`~optimizer.capacity.CapacitySettings`) instead of one fixed-load replay.
     """
 
     number: int
@@ -208,6 +213,7 @@ class TrialSpec:
     startup_timeout_s: float = 900.0
     python: str | None = None
     max_send_lag_ms: float = 10.0
+    capacity: CapacitySettings | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +235,8 @@ class TrialResult:
         log_lines: Relevant log lines of a failure.
         effective_config: The engine's settings once vLLM filled in its defaults (snake_case
             field -> logged text; see ``EngineProcess.effective_config``).
+        capacity: A capacity trial's search (capacity, bracket, steps, isolation, SLO floors;
+            see :func:`optimizer.capacity.trial.capacity_doc`); empty for fixed-load trials.
     """
 
     number: int
@@ -244,3 +252,4 @@ class TrialResult:
     log_path: str = ""
     log_lines: tuple[str, ...] = ()
     effective_config: Mapping[str, str] = field(default_factory=dict)
+    capacity: Mapping[str, Any] = field(default_factory=dict)

@@ -1,0 +1,261 @@
+"""A capacity trial on a running server: warm up, search the rate scale, assemble the result.
+
+:func:`run_capacity` is what :func:`optimizer.trial.run_trial` calls instead of a single replay
+when the trial's spec asks for capacity. It is a top-level function of picklable arguments, so
+the runner can move it into a clean client process (see ``run_trial``'s ``isolate_client``).
+
+The trial's summary (what objectives and the sampler read) is the full summary of the highest
+passing step, plus:
+
+- ``capacity_scale``: that step's rate scale (0 when no scale tried passed);
+- ``capacity_rps``: the request rate of this traffic mix it carried within the SLOs (the
+  trace's mean measured-window arrival rate x the scale);
+- ``capacity_output_tps``: the same in output tokens/s (x the trace's mean output length);
+- ``nominal_p95_ttft_ms`` / ``nominal_p95_tpot_ms``: P95s of the first step, at the nominal
+  scale (``start_scale``); NaN when that step was stopped early (a partial window is never
+  told as a full one).
+
+When no scale passed, the summary is that of the lowest scale tried and the capacity keys are 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from objectives import parse_slo
+from objectives.presets import FAILED_CONSTRAINT
+from optimizer.capacity.measure import (
+    ClientCouldNotKeepUp,
+    StepRunner,
+    slo_floors,
+    step_doc,
+)
+from optimizer.capacity.search import CapacityResult, StepOutcome, search_capacity
+from optimizer.engine import parse_prometheus
+from optimizer.types import RequestRecord, Trace, TrialSpec
+from optimizer.workload.prompts import TokenRange
+from optimizer.workload.replay import ReplayProgress
+
+__all__ = ["CapacityOutcome", "capacity_constraints", "capacity_doc", "run_capacity"]
+
+CAPACITY_KEYS = (
+    "capacity_scale",
+    "capacity_rps",
+    "capacity_output_tps",
+    "nominal_p95_ttft_ms",
+    "nominal_p95_tpot_ms",
+)
+
+
+@dataclass(frozen=True)
+class CapacityOutcome:
+    """What a capacity trial measured (picklable).
+
+    Attributes:
+        search: The search with every step.
+        summary: The trial's summary (see the module docstring).
+        records: Records of the step the summary describes.
+        doc: The JSON document stored with the trial (:func:`capacity_doc`).
+        invalid: The client could not keep a step's schedule; the trial is not scored.
+        message: One paragraph for a user.
+    """
+
+    search: CapacityResult | None
+    summary: Mapping[str, float]
+    records: tuple[RequestRecord, ...]
+    doc: Mapping[str, Any]
+    invalid: bool = False
+    message: str = ""
+
+
+def _metrics_reader(url: str) -> Callable[[], dict[str, float]]:
+    def read() -> dict[str, float]:
+        resp = httpx.get(f"{url}/metrics", timeout=5.0)
+        resp.raise_for_status()
+        return parse_prometheus(resp.text)
+
+    return read
+
+
+def _mean_output_tokens(trace: Trace, warmup: int) -> float:
+    reqs = trace.requests[warmup:] or trace.requests
+    return sum(r.output_tokens for r in reqs) / len(reqs)
+
+
+def run_capacity(
+    spec: TrialSpec,
+    url: str,
+    progress: Callable[[ReplayProgress], None] | None = None,
+    boost: bool = False,
+    on_step: Callable[[StepOutcome], None] | None = None,
+) -> CapacityOutcome:
+    """Search the capacity of the server at ``url`` for ``spec``'s trace and SLOs.
+
+    Args:
+        spec: The trial (``spec.capacity`` set).
+        url: The running server.
+        progress: Replay progress callback.
+        boost: Raise this process's priority first (a client process of its own).
+        on_step: Called after every step.
+
+    Returns:
+        The outcome; never raises for a failing configuration.
+    """
+    settings = spec.capacity
+    assert settings is not None, "run_capacity needs spec.capacity"
+    if boost:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
+    slos = [parse_slo(s) for s in spec.slos]
+    workdir = Path(spec.workdir)
+    runner = StepRunner(
+        url=url,
+        model=spec.engine.model,
+        trace=spec.trace,
+        slos=slos,
+        vocab=TokenRange(*spec.token_range),
+        seed=spec.seed,
+        warmup_requests=spec.warmup_requests,
+        max_send_lag_ms=spec.max_send_lag_ms,
+        metrics=_metrics_reader(url),
+        records_dir=workdir / "steps",
+        progress=progress,
+        on_step=on_step,
+        full_at_or_below=settings.min_scale,
+    )
+    try:
+        runner.warm_up()
+        search = search_capacity(runner, settings)
+    except ClientCouldNotKeepUp as exc:
+        return CapacityOutcome(
+            search=None,
+            summary={},
+            records=(),
+            doc={"isolation": runner.describe_isolation(), "error": str(exc)},
+            invalid=True,
+            message=str(exc),
+        )
+    return assemble(spec, search, runner)
+
+
+def assemble(spec: TrialSpec, search: CapacityResult, runner: StepRunner) -> CapacityOutcome:
+    """The trial's summary, records and stored document from a finished search."""
+    best = search.best_step()
+    shown = best if best is not None else search.lowest_step()
+    summary: dict[str, float] = dict(shown.summary) if shown is not None else {}
+    step_no = int(shown.detail.get("step", -1)) if shown is not None else -1
+    records = tuple(runner.records.get(step_no, ()))
+    rps = _offered(best)
+    summary["capacity_scale"] = search.scale
+    summary["capacity_rps"] = rps
+    summary["capacity_output_tps"] = rps * _mean_output_tokens(spec.trace, spec.warmup_requests)
+    first = search.steps[0] if search.steps else None
+    for key, metric in (
+        ("nominal_p95_ttft_ms", "p95_ttft_ms"),
+        ("nominal_p95_tpot_ms", "p95_tpot_ms"),
+    ):
+        value = math.nan
+        if first is not None and not first.stopped_early:
+            value = float(first.summary.get(metric, math.nan))
+        summary[key] = value
+    floors: dict[str, float] = {}
+    lowest = search.lowest_step()
+    if best is None and lowest is not None:
+        low_no = int(lowest.detail.get("step", -1))
+        floors = slo_floors(spec.trace, runner.records.get(low_no, ()))
+    doc = capacity_doc(search, spec, isolation=runner.describe_isolation(), floors=floors)
+    if best is None:
+        message = (
+            f"no rate scale tried met the SLOs (lowest x{search.lowest_step().scale:g}: "  # type: ignore[union-attr]
+            f"{search.lowest_step().reason})"  # type: ignore[union-attr]
+        )
+    else:
+        fail = search.first_failure()
+        broke = f"; at x{fail.scale:g} {fail.reason}" if fail is not None else ""
+        message = (
+            f"capacity {rps:.3g} req/s (rate x{search.scale:.3g}, bracket "
+            f"[{search.lo:.3g}, {search.hi:.3g}], {len(search.steps)} steps){broke}"
+        )
+    return CapacityOutcome(
+        search=search, summary=summary, records=records, doc=doc, message=message
+    )
+
+
+def _offered(step: StepOutcome | None) -> float:
+    if step is None:
+        return 0.0
+    return float(step.detail.get("offered_rps", 0.0))
+
+
+def capacity_doc(
+    search: CapacityResult,
+    spec: TrialSpec,
+    *,
+    isolation: str,
+    floors: Mapping[str, float],
+) -> dict[str, Any]:
+    """The capacity search as stored with a trial (Optuna user attribute ``capacity``)."""
+    best = search.best_step()
+    fail = search.first_failure()
+    settings = spec.capacity
+    rps = _offered(best)
+
+    def finite(v: float) -> float | None:
+        return v if math.isfinite(v) else None
+
+    return {
+        "scale": search.scale,
+        "rps": rps,
+        "output_tps": rps * _mean_output_tokens(spec.trace, spec.warmup_requests),
+        "lo": search.lo,
+        "hi": finite(search.hi),
+        "converged": search.converged,
+        "bracket_width": finite(search.bracket_width),
+        "repeat_spread": search.spread,
+        "stop": search.stop,
+        "steps": [step_doc(s) for s in search.steps],
+        "broke_first": fail.broke if fail is not None else None,
+        "broke_reason": fail.reason if fail is not None else None,
+        "first_failure": dict(fail.summary) if fail is not None else None,
+        "first_failure_partial": bool(fail.stopped_early) if fail is not None else None,
+        "isolation": isolation,
+        "floors": dict(floors),
+        "nominal_scale": settings.start_scale if settings is not None else 1.0,
+        "tolerance": settings.tolerance if settings is not None else None,
+    }
+
+
+def capacity_constraints(doc: Mapping[str, Any], slos: list[str]) -> list[float]:
+    """Constraint values a capacity trial is told (<= 0 met), one per SLO.
+
+    A configuration with capacity is feasible: the margins of its highest passing step.
+    One that met the SLOs at no scale tried is told the margins of its lowest step when that
+    step was measured in full, else every SLO violated (partial margins are never told).
+    """
+    steps = doc.get("steps") or []
+    if not steps:
+        return [FAILED_CONSTRAINT] * len(slos)
+    if doc.get("scale", 0) > 0:
+        best = [s for s in steps if s["passed"] and s["scale"] == doc["scale"]][-1]
+        return [min(0.0, _m(best["margins"].get(s))) for s in slos]
+    low = min(steps, key=lambda s: s["scale"])
+    if low.get("stopped_early"):
+        return [FAILED_CONSTRAINT] * len(slos)
+    out = [_m(low["margins"].get(s)) for s in slos]
+    if max(out, default=1.0) <= 0:  # noise repeats averaged it out of range: still a fail
+        out = [max(m, 1e-3) for m in out]
+    return out
+
+
+def _m(v: Any) -> float:
+    if v is None:
+        return FAILED_CONSTRAINT
+    return float(v)
