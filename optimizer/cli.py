@@ -204,7 +204,8 @@ def _add_shaping(p: argparse.ArgumentParser) -> None:
         "--window",
         default=None,
         metavar="START:END",
-        help="keep requests arriving in [START, END) seconds (END may be empty)",
+        help="keep requests arriving in [START, END) seconds (END may be empty); seconds "
+        "from the file's own first arrival (for a slice, the slice's start)",
     )
     g.add_argument(
         "--sample",

@@ -7,6 +7,10 @@ count, rate, length percentiles, prefix reuse, before and after), so a study can
 which workload it tuned for. :func:`shape` applies the steps a :class:`ShapeSpec` asks for, in
 a fixed order: window, subsample, compress, rate scale, length scale, length clip. The clip
 comes last so ``max_model_len`` holds for the trace that is replayed.
+
+Times are seconds on the trace's own clock, which for an imported file starts at its first
+arrival (see :data:`~optimizer.workload.stats.CLOCK_NOTE`): a window over a slice of a longer
+trace counts from the slice's start.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from optimizer.errors import ConfigError
 from optimizer.types import Trace, TraceRequest
-from optimizer.workload.stats import inspect_trace
+from optimizer.workload.stats import CLOCK_NOTE, inspect_trace
 
 __all__ = [
     "ShapeReport",
@@ -101,7 +105,9 @@ def time_window(
     """Keep the requests arriving in ``[start_s, end_s)`` and shift them to start at 0 s.
 
     Arrivals are shifted by ``start_s`` (not by the first kept arrival), so an idle start of
-    the window stays idle.
+    the window stays idle. Times are seconds on the trace's clock, which for an imported file
+    starts at its own first arrival: for a slice of a longer trace (e.g. a Mooncake cut), 0 s
+    is the slice's start, not the original trace's.
 
     Args:
         trace: The trace.
@@ -122,8 +128,13 @@ def time_window(
         if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)
     ]
     detail = f"[{start_s:g}, {'end' if end_s is None else f'{end_s:g}'}) s"
+    first_s = trace.requests[0].arrival_s if trace.requests else 0.0
     last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
-    _check(bool(kept), f"window {detail} holds no request (the trace spans 0-{last_s:g} s)")
+    _check(
+        bool(kept),
+        f"window {detail} holds no request: the trace's arrivals span {first_s:g}-{last_s:g} s; "
+        f"{CLOCK_NOTE}",
+    )
     shaped = _with(trace, kept)
     removed = len(trace) - len(kept)
     changed = removed + (len(kept) if start_s else 0)  # a shift moves every kept arrival
@@ -327,7 +338,8 @@ class ShapeSpec:
     """Which shaping steps to apply; a field left None skips its step.
 
     Attributes:
-        window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end.
+        window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end. Seconds from
+            the file's own first arrival (for a slice, the slice's start).
         sample_fraction: Share of requests to keep (seeded by ``seed``).
         compress: Time compression factor (> 1 compresses).
         target_duration_s: Compress (or stretch) to this duration instead of a factor.

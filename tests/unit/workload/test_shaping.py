@@ -194,3 +194,9 @@ def test_shape_rejects_contradictory_specs(mooncake: Trace) -> None:
         shape(mooncake, ShapeSpec(max_output_tokens=10))
     with pytest.raises(ConfigError):
         shape(mooncake, ShapeSpec(rate_scale=-1.0))
+
+
+def test_window_error_says_times_count_from_the_file_s_first_arrival() -> None:
+    with pytest.raises(ConfigError, match="span 0-9 s") as caught:
+        time_window(small(), 100.0, 200.0)
+    assert "first arrival" in str(caught.value) and "slice" in str(caught.value)
