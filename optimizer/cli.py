@@ -192,7 +192,8 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
 
 def _add_shaping(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "shaping (applied in this order: window, sample, compress, rate, lengths, clip)"
+        "shaping (applied in this order: window, spread ticks, sample, compress, rate, "
+        "lengths, clip)"
     )
     g.add_argument("--format", default="auto", help="trace format (default: detect)")
     g.add_argument(
@@ -204,7 +205,21 @@ def _add_shaping(p: argparse.ArgumentParser) -> None:
         "--window",
         default=None,
         metavar="START:END",
-        help="keep requests arriving in [START, END) seconds (END may be empty)",
+        help="keep requests arriving in [START, END) seconds (END may be empty); seconds "
+        "from the file's own first arrival (for a slice, the slice's start)",
+    )
+    g.add_argument(
+        "--spread-ticks",
+        action="store_true",
+        help="spread requests that share one arrival instant uniformly over their clock tick "
+        "(seeded; for coarse clocks such as the Mooncake conversation trace's 3 s ticks)",
+    )
+    g.add_argument(
+        "--tick-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the tick to spread over (default: detected, as trace inspect reports it)",
     )
     g.add_argument(
         "--sample",
@@ -238,7 +253,9 @@ def _add_shaping(p: argparse.ArgumentParser) -> None:
         help="clip lengths so input + output fits this context",
     )
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
-    g.add_argument("--seed", type=int, default=0, help="seed for sampling and prompts")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed for sampling, tick spreading and prompts"
+    )
 
 
 def shape_spec_from(ns: argparse.Namespace) -> Any:
@@ -256,6 +273,8 @@ def shape_spec_from(ns: argparse.Namespace) -> Any:
             raise ConfigError(f"--window {ns.window!r}: expected START:END in seconds, e.g. 0:600")
     return ShapeSpec(
         window_s=window,
+        spread_ticks=ns.spread_ticks,
+        tick_s=ns.tick_s,
         sample_fraction=ns.sample,
         compress=ns.compress,
         target_duration_s=ns.duration,

@@ -75,7 +75,9 @@ class EngineSection(_Strict):
 class ShapingSection(_Strict):
     """Trace shaping for every trial (see :mod:`optimizer.workload.shaping`)."""
 
-    window_s: tuple[float, float | None] | None = None
+    window_s: tuple[float, float | None] | None = None  # seconds from the file's first arrival
+    spread_ticks: bool = False
+    tick_s: float | None = Field(default=None, gt=0)
     sample_fraction: float | None = Field(default=None, gt=0, le=1)
     compress: float | None = Field(default=None, gt=0)
     target_duration_s: float | None = Field(default=None, gt=0)

@@ -1,12 +1,21 @@
-"""Shaping a trace for one trial: cut a window, compress time, scale the rate, fit lengths.
+"""Shaping a trace for one trial: cut a window, spread coarse ticks, compress time, scale the
+rate, fit lengths.
 
 A production trace rarely fits a trial as recorded: it lasts hours, its prompts exceed the
 model's ``max-model-len``, or its rate is far from what one GPU serves. Each step here is a
 pure function ``Trace -> (Trace, ShapeReport)`` whose report states what it changed (request
 count, rate, length percentiles, prefix reuse, before and after), so a study can say exactly
 which workload it tuned for. :func:`shape` applies the steps a :class:`ShapeSpec` asks for, in
-a fixed order: window, subsample, compress, rate scale, length scale, length clip. The clip
-comes last so ``max_model_len`` holds for the trace that is replayed.
+a fixed order: window, tick spread, subsample, compress, rate scale, length scale, length
+clip. The tick spread runs on the recorded clock: after the window (which cuts on recorded
+instants, so a tick's requests are kept or dropped together) and before any step that divides
+time (after which the tick is no longer the file's, and a given ``tick_s`` would not be in the
+file's seconds); before the subsample, so the spread times do not depend on the sample
+fraction. The clip comes last so ``max_model_len`` holds for the trace that is replayed.
+
+Times are seconds on the trace's own clock, which for an imported file starts at its first
+arrival (see :data:`~optimizer.workload.stats.CLOCK_NOTE`): a window over a slice of a longer
+trace counts from the slice's start.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import numpy as np
 
 from optimizer.errors import ConfigError
 from optimizer.types import Trace, TraceRequest
-from optimizer.workload.stats import inspect_trace
+from optimizer.workload.stats import CLOCK_NOTE, inspect_trace, timestamp_resolution
 
 __all__ = [
     "ShapeReport",
@@ -29,6 +38,7 @@ __all__ = [
     "scale_lengths",
     "scale_rate",
     "shape",
+    "spread_ticks",
     "subsample",
     "time_window",
 ]
@@ -44,6 +54,8 @@ _REPORTED = (
     "p95_output_tokens",
     "p99_output_tokens",
     "prefix_reuse_ratio",
+    "max_same_instant_requests",
+    "max_same_instant_prompt_tokens",
 )
 
 
@@ -52,12 +64,13 @@ class ShapeReport:
     """What one shaping step did.
 
     Attributes:
-        step: The step's name (``window``, ``subsample``, ``compress``, ``rate_scale``,
-            ``length_scale``, ``clip``).
+        step: The step's name (``window``, ``spread_ticks``, ``subsample``, ``compress``,
+            ``rate_scale``, ``length_scale``, ``clip``).
         detail: The step's parameters in words.
         changed_requests: Requests removed, or whose arrival or lengths were altered.
-        before: Request count, duration, mean rate, input/output P50/P95/P99 and prefix reuse
-            ratio of the input trace (keys as in :func:`~optimizer.workload.stats.inspect_trace`).
+        before: Request count, duration, mean rate, input/output P50/P95/P99, prefix reuse
+            ratio and largest same-instant burst (requests, prompt tokens) of the input trace
+            (keys as in :func:`~optimizer.workload.stats.inspect_trace`).
         after: The same for the output trace.
     """
 
@@ -101,7 +114,9 @@ def time_window(
     """Keep the requests arriving in ``[start_s, end_s)`` and shift them to start at 0 s.
 
     Arrivals are shifted by ``start_s`` (not by the first kept arrival), so an idle start of
-    the window stays idle.
+    the window stays idle. Times are seconds on the trace's clock, which for an imported file
+    starts at its own first arrival: for a slice of a longer trace (e.g. a Mooncake cut), 0 s
+    is the slice's start, not the original trace's.
 
     Args:
         trace: The trace.
@@ -122,12 +137,88 @@ def time_window(
         if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)
     ]
     detail = f"[{start_s:g}, {'end' if end_s is None else f'{end_s:g}'}) s"
+    first_s = trace.requests[0].arrival_s if trace.requests else 0.0
     last_s = trace.requests[-1].arrival_s if trace.requests else 0.0
-    _check(bool(kept), f"window {detail} holds no request (the trace spans 0-{last_s:g} s)")
+    _check(
+        bool(kept),
+        f"window {detail} holds no request: the trace's arrivals span {first_s:g}-{last_s:g} s; "
+        f"{CLOCK_NOTE}",
+    )
     shaped = _with(trace, kept)
     removed = len(trace) - len(kept)
     changed = removed + (len(kept) if start_s else 0)  # a shift moves every kept arrival
     return shaped, _report("window", detail, changed, trace, shaped)
+
+
+def spread_ticks(
+    trace: Trace, tick_s: float | None = None, seed: int = 0, *, clock_of: Trace | None = None
+) -> tuple[Trace, ShapeReport]:
+    """Spread the requests that share one arrival instant uniformly over their clock tick.
+
+    A coarse clock (the Mooncake conversation trace records arrivals in 3-second ticks) stamps
+    every request of a tick with the tick's start, and a replay would send them all at once.
+    Each group of two or more requests with equal ``arrival_s`` ``t`` gets arrivals drawn
+    uniformly from ``[t, t + tick_s)`` by a seeded ``numpy.random.Generator``; the draws are
+    sorted and handed out in the group's file order, so the request order is unchanged and the
+    trace stays sorted. The interval is cut at the next recorded instant when that comes
+    sooner (a ``tick_s`` larger than the clock's), so no request overtakes a later instant.
+    Requests alone at their instant keep their time. Lengths, prefix blocks and sessions are
+    untouched.
+
+    Args:
+        trace: The trace.
+        tick_s: The clock's tick in seconds; None detects it with
+            :func:`~optimizer.workload.stats.timestamp_resolution` (with only a few distinct
+            instants the detected step can be a multiple of the real tick: give it then).
+        seed: Seed of the generator.
+        clock_of: Detect the tick on this trace instead (:func:`shape` passes the trace before
+            its window: a window can keep only instants that lie on a coarser grid).
+
+    Returns:
+        The spread trace and its report (``changed_requests``: requests whose arrival moved).
+
+    Raises:
+        ConfigError: ``tick_s`` is not positive, or None and no tick can be detected (fewer
+            than two distinct arrival times).
+    """
+    source = "given"
+    if tick_s is None:
+        source = "detected" if clock_of is None else "detected before the window"
+        tick_s = timestamp_resolution(trace if clock_of is None else clock_of)
+        _check(
+            tick_s > 0,
+            "spread_ticks cannot detect the clock's tick (fewer than two distinct arrival "
+            "times): set tick_s",
+        )
+    _check(tick_s > 0 and math.isfinite(tick_s), f"tick_s must be > 0, got {tick_s}")
+    rng = np.random.default_rng(seed)
+    arrivals_s = np.array([r.arrival_s for r in trace.requests], dtype=np.float64)
+    spread = arrivals_s.copy()
+    n = arrivals_s.size
+    # Equal arrivals form runs, since the trace is sorted: run k is [starts[k], ends[k]).
+    new_instant = np.ones(n, dtype=bool)
+    new_instant[1:] = arrivals_s[1:] != arrivals_s[:-1]
+    starts = np.flatnonzero(new_instant)
+    ends = np.append(starts[1:], n)[: starts.size]
+    groups = 0
+    for first, stop in zip(starts.tolist(), ends.tolist(), strict=True):
+        if stop - first < 2:
+            continue
+        groups += 1
+        t = float(arrivals_s[first])
+        upper = min(t + tick_s, float(arrivals_s[stop])) if stop < n else t + tick_s
+        draws = np.sort(t + rng.random(stop - first) * (upper - t))
+        spread[first:stop] = np.minimum(draws, np.nextafter(upper, -np.inf))
+    moved = int(np.count_nonzero(spread != arrivals_s))
+    shaped = _with(
+        trace,
+        [
+            r if new == r.arrival_s else replace(r, arrival_s=float(new))
+            for r, new in zip(trace.requests, spread.tolist(), strict=True)
+        ],
+    )
+    detail = f"tick {tick_s:g} s ({source}), {groups} shared instants, seed {seed}"
+    return shaped, _report("spread_ticks", detail, moved, trace, shaped)
 
 
 def compress_time(
@@ -327,7 +418,11 @@ class ShapeSpec:
     """Which shaping steps to apply; a field left None skips its step.
 
     Attributes:
-        window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end.
+        window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end. Seconds from
+            the file's own first arrival (for a slice, the slice's start).
+        spread_ticks: Spread requests sharing one arrival instant over their clock tick
+            (seeded by ``seed``).
+        tick_s: The tick to spread over; None detects it on the trace before its window.
         sample_fraction: Share of requests to keep (seeded by ``seed``).
         compress: Time compression factor (> 1 compresses).
         target_duration_s: Compress (or stretch) to this duration instead of a factor.
@@ -335,10 +430,12 @@ class ShapeSpec:
         length_scale: Multiplier applied to both input and output lengths.
         max_model_len: Clip lengths so that input + output fits.
         max_output_tokens: Further cap on output lengths (applied with the clip).
-        seed: Seed for subsampling.
+        seed: Seed for subsampling and tick spreading.
     """
 
     window_s: tuple[float, float | None] | None = None
+    spread_ticks: bool = False
+    tick_s: float | None = None
     sample_fraction: float | None = None
     compress: float | None = None
     target_duration_s: float | None = None
@@ -350,8 +447,9 @@ class ShapeSpec:
 
 
 def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
-    """Apply the steps ``spec`` asks for, in the order window, subsample, compress (factor or
-    target duration), rate scale, length scale, clip.
+    """Apply the steps ``spec`` asks for, in the order window, tick spread, subsample, compress
+    (factor or target duration), rate scale, length scale, clip (see the module docstring for
+    why).
 
     Args:
         trace: The trace.
@@ -367,6 +465,11 @@ def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
     if spec.window_s is not None:
         start_s, end_s = spec.window_s
         steps.append(lambda t: time_window(t, start_s, end_s))
+    if spec.spread_ticks:
+        clock_of = trace if spec.window_s is not None else None
+        steps.append(lambda t: spread_ticks(t, spec.tick_s, spec.seed, clock_of=clock_of))
+    elif spec.tick_s is not None:
+        raise ConfigError("tick_s is used by the tick spread: set spread_ticks too")
     if spec.sample_fraction is not None:
         fraction = spec.sample_fraction
         steps.append(lambda t: subsample(t, fraction, spec.seed))

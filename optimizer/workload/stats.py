@@ -4,20 +4,60 @@
 of numbers with units in their names (flat so it can be logged as MLflow parameters or metrics
 as is); :func:`render_inspect` draws that dict as a ``rich`` table for the CLI. Percentiles use
 ``numpy.percentile`` (linear), as the metrics of replayed requests do.
+
+Some traces record arrivals on a coarse clock: the Mooncake conversation trace's timestamps
+come in 3-second ticks, so one instant can hold many requests. :func:`timestamp_resolution`
+finds that tick and :func:`largest_burst` the heaviest instant; both are in the inspect output.
+
+Times are seconds on the trace's own clock: importers rebase a file so that its first arrival
+is 0 s, so a slice cut from a longer trace counts from the slice's own first row, not from the
+original trace's start (canonical files keep the times they were written with).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import Literal, NamedTuple
 
 import numpy as np
 from rich.table import Table
 
 from optimizer.types import Trace
 
-__all__ = ["inspect_trace", "prefix_reuse_ratio", "render_inspect"]
+__all__ = [
+    "CLOCK_NOTE",
+    "Burst",
+    "inspect_trace",
+    "largest_burst",
+    "prefix_reuse_ratio",
+    "render_inspect",
+    "timestamp_resolution",
+]
 
 _PERCENTILES = (50, 95, 99)
+_NS_PER_S = 1_000_000_000
+
+CLOCK_NOTE = (
+    "times are seconds from the file's own first arrival (imported files start at 0 s; a "
+    "slice of a longer trace, e.g. a Mooncake cut, counts from the slice's start, not the "
+    "original's); window_s and --window use this clock"
+)
+"""How to read arrival times and windows, shown by ``trace inspect`` and the window error."""
+
+
+class Burst(NamedTuple):
+    """The requests that share one arrival instant.
+
+    Attributes:
+        arrival_s: The instant, seconds on the trace's clock.
+        requests: How many requests arrive at it.
+        prompt_tokens: Their summed input tokens.
+    """
+
+    arrival_s: float
+    requests: int
+    prompt_tokens: int
 
 
 def prefix_reuse_ratio(trace: Trace) -> float:
@@ -54,6 +94,67 @@ def prefix_reuse_ratio(trace: Trace) -> float:
     return reused_tokens / total_tokens if total_tokens else 0.0
 
 
+def timestamp_resolution(trace: Trace) -> float:
+    """The tick of the trace's arrival clock, in seconds.
+
+    Rule: every arrival's offset from the first arrival is rounded to whole nanoseconds (which
+    absorbs the float noise of unit conversion, e.g. milliseconds times 1e-3), and the tick is
+    the greatest common divisor of those offsets: the largest step that every arrival lies on.
+    A Mooncake conversation trace written in multiples of 3000 ms gives 3.0, a file with
+    millisecond timestamps 0.001 (or a multiple of it, when every timestamp happens to share
+    one). Offsets are taken from the first arrival, so a shifted clock (a window) keeps its
+    tick; a trace compressed by a non-integer factor typically comes out at (about) 1e-9, i.e.
+    no coarse tick.
+
+    Args:
+        trace: The trace.
+
+    Returns:
+        The tick in seconds; 0.0 when there are no two distinct arrival times.
+    """
+    if len(trace) < 2:
+        return 0.0
+    arrivals_s = np.array([r.arrival_s for r in trace.requests], dtype=np.float64)
+    offsets_ns = np.rint((arrivals_s - arrivals_s[0]) * _NS_PER_S).astype(np.int64)
+    tick_ns = math.gcd(*(int(v) for v in np.unique(offsets_ns)))
+    return tick_ns / _NS_PER_S
+
+
+def _instants(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct arrival times, the requests at each and their summed input tokens."""
+    arrivals_s = np.array([r.arrival_s for r in trace.requests], dtype=np.float64)
+    tokens = np.array([r.input_tokens for r in trace.requests], dtype=np.int64)
+    instants, inverse = np.unique(arrivals_s, return_inverse=True)
+    counts = np.bincount(inverse, minlength=instants.size)
+    summed = np.zeros(instants.size, dtype=np.int64)
+    np.add.at(summed, inverse, tokens)
+    return instants, counts, summed
+
+
+def largest_burst(
+    trace: Trace, by: Literal["prompt_tokens", "requests"] = "prompt_tokens"
+) -> Burst:
+    """The arrival instant with the most prompt tokens (or the most requests).
+
+    Requests share an instant when their ``arrival_s`` are equal. On a coarse clock a whole
+    tick's requests land together, and the replay sends them at once: a floor under the time to
+    first token that no engine configuration removes.
+
+    Args:
+        trace: The trace.
+        by: ``prompt_tokens`` (summed input tokens, the prefill work that lands at once) or
+            ``requests``; ties go to the earliest instant.
+
+    Returns:
+        The burst; ``Burst(0.0, 0, 0)`` for an empty trace.
+    """
+    if not trace.requests:
+        return Burst(0.0, 0, 0)
+    instants, counts, summed = _instants(trace)
+    index = int(np.argmax(summed if by == "prompt_tokens" else counts))
+    return Burst(float(instants[index]), int(counts[index]), int(summed[index]))
+
+
 def _peak_count(arrivals_s: np.ndarray, bin_s: float) -> int:
     bins = np.floor((arrivals_s - arrivals_s[0]) / bin_s).astype(np.int64)
     return int(np.bincount(bins).max())
@@ -67,8 +168,13 @@ def inspect_trace(trace: Trace) -> dict[str, float | int | str]:
     arrivals in one 1-second bin, bins aligned on the first arrival), ``peak_rate_rpm`` (same
     with 60-second bins), ``burstiness_cv`` (coefficient of variation of inter-arrival gaps: 1
     for Poisson arrivals, 0 for a fixed rate), ``{p50,p95,p99,max,mean}_{input,output}_tokens``,
-    ``block_size``, ``prefix_reuse_ratio`` (see :func:`prefix_reuse_ratio`) and ``sessions``
-    (distinct session ids, 0 when none are recorded).
+    ``block_size``, ``prefix_reuse_ratio`` (see :func:`prefix_reuse_ratio`), ``sessions``
+    (distinct session ids, 0 when none are recorded), ``first_arrival_s`` (0 for an imported
+    file: times count from its own first arrival), ``timestamp_resolution_s`` (the arrival
+    clock's tick, see :func:`timestamp_resolution`), ``max_same_instant_requests`` and
+    ``max_same_instant_requests_at_s`` (the most requests sharing one arrival time, and that
+    time), ``max_same_instant_prompt_tokens`` and ``max_same_instant_prompt_tokens_at_s`` (the
+    most input tokens arriving at one time, and that time; see :func:`largest_burst`).
 
     Args:
         trace: The trace.
@@ -96,11 +202,21 @@ def inspect_trace(trace: Trace) -> dict[str, float | int | str]:
     stats["block_size"] = trace.block_size
     stats["prefix_reuse_ratio"] = prefix_reuse_ratio(trace)
     stats["sessions"] = len({r.session_id for r in trace.requests if r.session_id is not None})
+    stats["first_arrival_s"] = float(arrivals_s[0]) if n else 0.0
+    stats["timestamp_resolution_s"] = timestamp_resolution(trace)
+    by_requests = largest_burst(trace, by="requests")
+    by_tokens = largest_burst(trace, by="prompt_tokens")
+    stats["max_same_instant_requests"] = by_requests.requests
+    stats["max_same_instant_requests_at_s"] = by_requests.arrival_s
+    stats["max_same_instant_prompt_tokens"] = by_tokens.prompt_tokens
+    stats["max_same_instant_prompt_tokens_at_s"] = by_tokens.arrival_s
     return stats
 
 
 def _format(value: float | int | str) -> str:
     if isinstance(value, float):
+        if 0 < abs(value) < 0.001:
+            return f"{value:.3g}"  # e.g. a microsecond clock tick, not 0.000
         return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}"
@@ -115,10 +231,11 @@ def render_inspect(stats: Mapping[str, float | int | str], title: str = "Trace")
         title: Table title; the trace's source is appended when known.
 
     Returns:
-        The table, for ``rich.console.Console().print``.
+        The table, for ``rich.console.Console().print``; its caption says how to read times
+        (:data:`CLOCK_NOTE`).
     """
     source = stats.get("source")
-    table = Table(title=f"{title}: {source}" if source else title)
+    table = Table(title=f"{title}: {source}" if source else title, caption=CLOCK_NOTE)
     table.add_column("statistic")
     table.add_column("value", justify="right")
     for key, value in stats.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from optimizer.workload.shaping import (
     scale_lengths,
     scale_rate,
     shape,
+    spread_ticks,
     subsample,
     time_window,
 )
@@ -194,3 +196,131 @@ def test_shape_rejects_contradictory_specs(mooncake: Trace) -> None:
         shape(mooncake, ShapeSpec(max_output_tokens=10))
     with pytest.raises(ConfigError):
         shape(mooncake, ShapeSpec(rate_scale=-1.0))
+
+
+def ticked() -> Trace:
+    """A 3-second clock: 3 requests at 0 s, 1 at 3 s, 4 at 6 s, 2 at 12 s (sessions kept)."""
+    arrivals = [0.0, 0.0, 0.0, 3.0, 6.0, 6.0, 6.0, 6.0, 12.0, 12.0]
+    return Trace(
+        requests=tuple(
+            TraceRequest(t, 100 + i, 10 + i, (i,), session_id=f"s{i % 3}")
+            for i, t in enumerate(arrivals)
+        ),
+        block_size=64,
+        source="ticks",
+    )
+
+
+def test_spread_ticks_stays_within_each_tick_and_keeps_every_request() -> None:
+    trace = ticked()
+    shaped, report = spread_ticks(trace, seed=5)
+    assert report.step == "spread_ticks"
+    assert "tick 3 s (detected)" in report.detail and "3 shared instants" in report.detail
+    assert len(shaped) == len(trace)
+    new = [r.arrival_s for r in shaped.requests]
+    assert new == sorted(new)
+    for old, spread in zip(trace.requests, shaped.requests, strict=True):
+        # Same request in the same position; only its arrival moved, within its tick.
+        assert replace(spread, arrival_s=old.arrival_s) == old
+        assert old.arrival_s <= spread.arrival_s < old.arrival_s + 3.0
+    assert shaped.requests[3].arrival_s == 3.0  # alone at its instant: not moved
+    assert report.changed_requests == 9  # 3 + 4 + 2 shared
+    assert report.before["max_same_instant_requests"] == 4
+    assert report.after["max_same_instant_requests"] == 1
+    assert report.after["requests"] == report.before["requests"] == 10
+    assert report.after["p50_input_tokens"] == report.before["p50_input_tokens"]
+    assert "max_same_instant_requests: 4 -> 1" in report.summary()
+
+
+def test_spread_ticks_is_seeded() -> None:
+    a, _ = spread_ticks(ticked(), seed=1)
+    b, _ = spread_ticks(ticked(), seed=1)
+    c, _ = spread_ticks(ticked(), seed=2)
+    assert a == b
+    assert [r.arrival_s for r in a.requests] != [r.arrival_s for r in c.requests]
+
+
+def test_a_given_tick_never_reorders_across_instants() -> None:
+    # A 10 s tick overlaps the next instants: each group stops short of the next instant.
+    shaped, report = spread_ticks(ticked(), 10.0, seed=0)
+    assert "tick 10 s (given)" in report.detail
+    new = [r.arrival_s for r in shaped.requests]
+    assert all(0.0 <= t < 3.0 for t in new[:3])
+    assert new[3] == 3.0
+    assert all(6.0 <= t < 12.0 for t in new[4:8])
+    assert all(12.0 <= t < 22.0 for t in new[8:])
+    assert new == sorted(new)
+
+
+def test_spread_ticks_of_the_shipped_slice_keeps_its_order_invariant_properties(
+    mooncake: Trace,
+) -> None:
+    # The slice's clock ticks in milliseconds; only its first instant holds two requests.
+    shaped, report = spread_ticks(mooncake, seed=0)
+    assert "tick 0.001 s (detected)" in report.detail
+    assert report.changed_requests == 2
+    assert sorted((r.input_tokens, r.output_tokens, r.prefix_blocks) for r in shaped.requests) == (
+        sorted((r.input_tokens, r.output_tokens, r.prefix_blocks) for r in mooncake.requests)
+    )
+    assert all(0.0 <= r.arrival_s < 0.001 for r in shaped.requests[:2])
+    assert shaped.requests[2:] == mooncake.requests[2:]
+
+
+def test_a_trace_without_shared_instants_is_unchanged() -> None:
+    shaped, report = spread_ticks(small(), seed=3)
+    assert shaped == small()
+    assert report.changed_requests == 0
+    assert "0 shared instants" in report.detail
+
+
+def test_spread_ticks_needs_a_tick() -> None:
+    one_instant = Trace(requests=(TraceRequest(0.0, 1, 1), TraceRequest(0.0, 2, 1)))
+    with pytest.raises(ConfigError, match="tick_s"):
+        spread_ticks(one_instant)
+    shaped, report = spread_ticks(one_instant, 0.5, seed=0)
+    assert all(0.0 <= r.arrival_s < 0.5 for r in shaped.requests) and report.changed_requests
+    with pytest.raises(ConfigError, match="tick_s"):
+        spread_ticks(ticked(), 0.0)
+    with pytest.raises(ConfigError, match="spread_ticks"):
+        shape(ticked(), ShapeSpec(tick_s=3.0))
+
+
+def test_shape_spreads_ticks_after_the_window_and_before_compressing() -> None:
+    spec = ShapeSpec(window_s=(6.0, None), spread_ticks=True, compress=2.0, seed=4)
+    shaped, reports = shape(ticked(), spec)
+    assert [r.step for r in reports] == ["window", "spread_ticks", "compress"]
+    # The window keeps only instants 0 s and 6 s (a 6 s grid): the tick comes from the file.
+    assert "tick 3 s (detected before the window)" in reports[1].detail
+    assert reports[1].changed_requests == 6
+    # Spread on the recorded clock, then halved: the first four land in [0, 1.5) s.
+    assert all(0.0 <= r.arrival_s < 1.5 for r in shaped.requests[:4])
+    assert all(3.0 <= r.arrival_s < 4.5 for r in shaped.requests[4:])
+
+
+def test_window_error_says_times_count_from_the_file_s_first_arrival() -> None:
+    with pytest.raises(ConfigError, match="span 0-9 s") as caught:
+        time_window(small(), 100.0, 200.0)
+    assert "first arrival" in str(caught.value) and "slice" in str(caught.value)
+
+
+def test_shape_without_a_window_detects_the_tick_on_the_trace_itself() -> None:
+    _, reports = shape(ticked(), ShapeSpec(spread_ticks=True, tick_s=None, seed=1))
+    assert [r.step for r in reports] == ["spread_ticks"]
+    assert "tick 3 s (detected)" in reports[0].detail
+
+
+def test_cli_flags_and_config_section_reach_the_shape_spec() -> None:
+    import argparse
+
+    from optimizer.cli import _add_shaping, shape_spec_from
+    from optimizer.config import ShapingSection
+
+    parser = argparse.ArgumentParser()
+    _add_shaping(parser)
+    spec = shape_spec_from(parser.parse_args(["--spread-ticks", "--tick-s", "3", "--seed", "7"]))
+    assert (spec.spread_ticks, spec.tick_s, spec.seed) == (True, 3.0, 7)
+    assert shape_spec_from(parser.parse_args([])).spread_ticks is False
+    section = ShapingSection(spread_ticks=True, tick_s=3.0)
+    assert ShapeSpec(**section.model_dump()) == ShapeSpec(spread_ticks=True, tick_s=3.0)
+    with pytest.raises(ValueError):
+        ShapingSection(tick_s=0.0)
