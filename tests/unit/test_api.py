@@ -288,8 +288,9 @@ def test_a_job_with_a_non_mapping_env_is_refused_not_crashed(client: TestClient)
     r = client.post(
         "/v1/studies", json=job_doc(engine={"env": {"LD_PRELOAD": "/x.so"}}), headers=AUTH
     )
-    assert r.status_code == 422 and "engine.env.LD_PRELOAD: the service does not pass" in (
-        r.json()["detail"]
+    assert (
+        r.status_code == 422
+        and "engine.env.LD_PRELOAD: the service does not pass" in (r.json()["detail"])
     )
 
 
