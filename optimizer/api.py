@@ -34,11 +34,15 @@ from optimizer.jobs import (
     ServiceSettings,
     Submission,
     SubmissionRefused,
-    hash_token,
-    load_tokens,
     parse_body,
     parse_submission,
-    token_matches,
+)
+from optimizer.service.auth import (
+    Principal,
+    TokenEntry,
+    authenticate,
+    parse_token_env,
+    read_token_file,
 )
 
 __all__ = [
@@ -99,17 +103,22 @@ def create_app(service: JobService) -> FastAPI:
         redoc_url=None,
     )
 
+    entries = settings.token_entries()
+
     def auth(
         creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if creds is None or not token_matches(creds.credentials, settings.token_sha256):
+    ) -> Principal:
+        who = authenticate(creds.credentials, entries) if creds is not None else None
+        if who is None:
             raise HTTPException(
                 status_code=401,
                 detail="missing or wrong bearer token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        return who
 
     authed = [Depends(auth)]
+    caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
     @app.exception_handler(ConfigError)
     async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
@@ -171,7 +180,7 @@ def create_app(service: JobService) -> FastAPI:
         tags=["studies"],
         openapi_extra=body_doc,
     )
-    async def submit(request: Request) -> dict[str, Any]:
+    async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
         body = await _read_body(request, settings.max_upload_bytes)
         ctype = request.headers.get("content-type", "")
@@ -202,28 +211,28 @@ def create_app(service: JobService) -> FastAPI:
                 upload = (trace.filename or "trace", await trace.read())
         else:
             sub = parse_submission(parse_body(body, ctype))
-        rec, notes = await run_in_threadpool(_submit, service, sub, upload)
+        rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
         return {**service.summary(rec), "notes": notes}
 
     @app.get("/v1/studies", dependencies=authed, tags=["studies"])
-    def list_studies() -> list[dict[str, Any]]:
-        """Every study, in submission order."""
-        return service.list_summaries()
+    def list_studies(who: Principal = caller) -> list[dict[str, Any]]:
+        """Every study of the caller's team (an admin: all), in submission order."""
+        return service.list_summaries(who)
 
     @app.get("/v1/studies/{study_id}", dependencies=authed, tags=["studies"])
-    def get_study(study_id: str) -> dict[str, Any]:
+    def get_study(study_id: str, who: Principal = caller) -> dict[str, Any]:
         """Status, progress, budget left, trials, and the Pareto front beside the baseline."""
-        return service.detail(study_id)
+        return service.detail(study_id, who)
 
     @app.get("/v1/studies/{study_id}/trials/{number}", dependencies=authed, tags=["studies"])
-    def get_trial(study_id: str, number: int) -> dict[str, Any]:
+    def get_trial(study_id: str, number: int, who: Principal = caller) -> dict[str, Any]:
         """One trial: engine arguments, summary, memory account, constraints."""
-        return service.trial(study_id, number)
+        return service.trial(study_id, number, who)
 
     @app.post("/v1/studies/{study_id}/cancel", dependencies=authed, tags=["studies"])
-    def cancel(study_id: str) -> dict[str, Any]:
+    def cancel(study_id: str, who: Principal = caller) -> dict[str, Any]:
         """Stop launching, stop the running trials (actors and servers), keep what finished."""
-        return service.cancel(study_id)
+        return service.cancel(study_id, who)
 
     @app.post("/v1/studies/{study_id}/export", dependencies=authed, tags=["studies"])
     def export(
@@ -238,6 +247,7 @@ def create_app(service: JobService) -> FastAPI:
         validate: bool = False,
         runs: Annotated[int, Query(ge=1, le=10)] = 3,
         force: bool = False,
+        who: Principal = caller,
     ) -> Response:
         """The chosen configuration as a download (re-validation only with validate=true)."""
         weights: dict[str, float] = {}
@@ -258,6 +268,7 @@ def create_app(service: JobService) -> FastAPI:
             validate=validate,
             runs=runs,
             force=force,
+            who=who,
         )
         media = "text/x-shellscript" if format == "vllm-cli" else "application/yaml"
         return Response(
@@ -273,9 +284,9 @@ def create_app(service: JobService) -> FastAPI:
 
 
 def _submit(
-    service: JobService, sub: Submission, upload: tuple[str, bytes] | None
+    service: JobService, sub: Submission, upload: tuple[str, bytes] | None, who: Principal
 ) -> tuple[Any, list[str]]:
-    return service.submit(sub, upload=upload)
+    return service.submit(sub, upload=upload, owner=who)
 
 
 # --- Ray Serve --------------------------------------------------------------------------------
@@ -312,10 +323,12 @@ class _Ingress:
 def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     """Settings from a Serve config's ``args`` (or the CLI's options).
 
-    Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``token_file``,
-    ``max_concurrent``, ``max_upload_mib``, ``study_storage``, ``poll_interval_s``, ``mlflow``.
-    Tokens come from ``token_file`` and the ``VLLM_AUTOTUNE_TOKENS`` environment variable of
-    the process that builds the application; only their digests are kept. Without
+    Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``model_roots`` (list),
+    ``token_file``, ``max_concurrent``, ``max_upload_mib``, ``study_storage``, ``mlflow_uri``,
+    ``poll_interval_s``, ``mlflow``. Tokens come from ``token_file`` (``TEAM TOKEN [admin]`` or
+    ``TEAM sha256:DIGEST [admin]`` a line: :mod:`optimizer.service.auth`) and the
+    ``VLLM_AUTOTUNE_TOKENS`` environment variable of the process that builds the application;
+    only their digests are kept, with their team. Without
     ``database_url`` / ``study_storage``, ``VLLM_AUTOTUNE_DATABASE`` / ``VLLM_AUTOTUNE_STORAGE``
     are read (so a password never has to appear in a manifest).
 
@@ -326,6 +339,8 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
         "database_url",
         "data_dir",
         "trace_roots",
+        "model_roots",
+        "mlflow_uri",
         "token_file",
         "max_concurrent",
         "max_upload_mib",
@@ -337,7 +352,10 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     if unknown:
         raise ConfigError(f"unknown service settings {unknown}; valid: {', '.join(sorted(known))}")
     data_dir = str(Path(args.get("data_dir") or "autotune-service").expanduser().resolve())
-    tokens = load_tokens(args.get("token_file"), os.environ.get(TOKENS_ENV))
+    tokens: list[TokenEntry] = []
+    if args.get("token_file"):
+        tokens += read_token_file(args["token_file"])
+    tokens += parse_token_env(os.environ.get(TOKENS_ENV))
     if not tokens:
         raise ConfigError(
             f"no API tokens: give --token-file (one token a line) or set {TOKENS_ENV}"
@@ -345,13 +363,18 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     roots = args.get("trace_roots") or []
     if isinstance(roots, str):
         roots = [roots]
+    model_roots = args.get("model_roots") or []
+    if isinstance(model_roots, str):
+        model_roots = [model_roots]
     return ServiceSettings(
         database_url=args.get("database_url")
         or os.environ.get(DATABASE_ENV)
         or f"sqlite:///{data_dir}/service.db",
         data_dir=data_dir,
         trace_roots=tuple(str(Path(r).expanduser().resolve()) for r in roots),
-        token_sha256=tuple(sorted({hash_token(t) for t in tokens})),
+        tokens=tuple(dict.fromkeys(tokens)),
+        model_roots=tuple(str(Path(r).expanduser().resolve()) for r in model_roots),
+        mlflow_uri=args.get("mlflow_uri") or None,
         max_concurrent=(
             int(args["max_concurrent"]) if args.get("max_concurrent") is not None else None
         ),
@@ -397,6 +420,12 @@ def run_service(
         if ray_address:
             ray.init(address=ray_address, **kwargs)
         else:
+            # A local cluster on the operator's address: Ray advertises it, the dashboard
+            # (off) and its agent use it. Ray's own gRPC servers still listen on every
+            # interface; their token authentication guards them (deploy/SERVICE.md).
+            if host not in ("0.0.0.0", "::"):
+                node_ip = "127.0.0.1" if host == "localhost" else host
+                kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
             ray.init(object_store_memory=256 * 1024**2, **kwargs)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import hashlib
+import functools
 import hmac
 import importlib
 import json
@@ -41,12 +41,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import optuna
 import sqlalchemy as sa
-import yaml
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optimizer.config import JobConfig, load_job
-from optimizer.errors import AutotuneError, ConfigError
+from optimizer.errors import AutotuneError, ConfigError, TraceError
+from optimizer.service import security
+from optimizer.service.auth import DEFAULT_TEAM, Principal, TokenEntry, authenticate, hash_token
 
 __all__ = [
     "ACTIVE_STATES",
@@ -71,6 +72,7 @@ __all__ = [
     "redact_url",
     "token_matches",
 ]
+_ = (Principal, TokenEntry, authenticate)  # re-exported for the API
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,6 @@ log = logging.getLogger(__name__)
 ACTIVE_STATES = ("queued", "running")
 FINAL_STATES = ("done", "failed", "cancelled", "expired")
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-# Environment a job may not set: it would run code of the job's choosing in the server.
-_FORBIDDEN_ENV = re.compile(r"^(LD_|PYTHON|DYLD_)|^PATH$", re.IGNORECASE)
 _NAMESPACE = "vllm-autotune"
 
 
@@ -114,7 +114,11 @@ class ServiceSettings:
         database_url: The job store (SQLAlchemy URL; SQLite file or PostgreSQL).
         data_dir: Study folders (``studies/<id>``) and uploaded traces (``uploads/<id>``).
         trace_roots: Folders a job's trace (and search-space) files must lie under.
-        token_sha256: SHA-256 hex digests of the accepted bearer tokens (never the tokens).
+        token_sha256: SHA-256 hex digests of accepted bearer tokens of the ``default`` team.
+        tokens: Accepted tokens with their team and role (digests, never the tokens).
+        model_roots: Folders a job's local model must lie under (besides ``DATA_DIR/models``,
+            where ``model.make`` creates models); hub names are not paths and pass.
+        mlflow_uri: MLflow tracking URI of every job (None: a store in each study's folder).
         max_concurrent: Studies running at once (None: 1 on a cluster without GPUs, else the
             number of GPUs).
         max_upload_bytes: Largest request body accepted (413 above).
@@ -129,6 +133,9 @@ class ServiceSettings:
     data_dir: str
     trace_roots: tuple[str, ...] = ()
     token_sha256: tuple[str, ...] = ()
+    tokens: tuple[TokenEntry, ...] = ()
+    model_roots: tuple[str, ...] = ()
+    mlflow_uri: str | None = None
     max_concurrent: int | None = None
     max_upload_bytes: int = 32 * 1024**2
     study_storage: str | None = None
@@ -137,10 +144,9 @@ class ServiceSettings:
     cpus_per_trial: float = 1.0
     max_driver_starts: int = 5
 
-
-def hash_token(token: str) -> str:
-    """SHA-256 hex digest of a bearer token (what the service keeps)."""
-    return hashlib.sha256(token.strip().encode()).hexdigest()
+    def token_entries(self) -> tuple[TokenEntry, ...]:
+        """Every accepted token: :attr:`tokens`, then :attr:`token_sha256` (team default)."""
+        return self.tokens + tuple(TokenEntry(digest=d) for d in self.token_sha256)
 
 
 def load_tokens(token_file: str | Path | None = None, env_value: str | None = None) -> list[str]:
@@ -268,19 +274,15 @@ def parse_submission(doc: Any) -> Submission:
 
 
 def parse_body(body: bytes, content_type: str = "") -> Any:
-    """A JSON or YAML request body -> its document.
+    """A JSON or YAML request body -> its document, within the service's limits (no YAML
+    aliases, bounded depth and sizes: :func:`optimizer.service.security.parse_document`).
 
     Raises:
-        ConfigError: Not parseable.
+        ConfigError: Not parseable, or over a limit (the message quotes none of the body).
     """
-    text = body.decode("utf-8", errors="replace")
-    try:
-        if "json" in content_type:
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if "json" in content_type else "YAML"
-        raise ConfigError(f"the body is not valid {kind}: {exc}") from exc
+    return security.parse_document(
+        body, json_body="json" in content_type, exempt=[("trace_upload", "content_b64")]
+    )
 
 
 def _safe_filename(name: str) -> str:
@@ -314,6 +316,7 @@ class JobRecord:
         cancel_requested: Cancel was asked for.
         message: Last news (error, resume, reason of a final state).
         progress: The driver's last status report.
+        owner: The team that submitted it.
     """
 
     id: str
@@ -333,6 +336,7 @@ class JobRecord:
     cancel_requested: bool = False
     message: str = ""
     progress: dict[str, Any] = field(default_factory=dict)
+    owner: str = DEFAULT_TEAM
 
 
 _meta = sa.MetaData()
@@ -356,6 +360,7 @@ _jobs = sa.Table(
     sa.Column("cancel_requested", sa.Boolean, nullable=False, default=False),
     sa.Column("message", sa.Text, nullable=False, default=""),
     sa.Column("progress", sa.Text, nullable=False, default="{}"),
+    sa.Column("owner", sa.String(64), nullable=False, default=DEFAULT_TEAM, index=True),
 )
 
 
@@ -377,6 +382,20 @@ class JobStore:
             kwargs["pool_pre_ping"] = True
         self.engine = sa.create_engine(url, **kwargs)
         _meta.create_all(self.engine)
+        self._add_owner_column()
+
+    def _add_owner_column(self) -> None:
+        """A store written before studies had owners: its jobs belong to the default team."""
+        columns = {c["name"] for c in sa.inspect(self.engine).get_columns(_jobs.name)}
+        if "owner" in columns:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"ALTER TABLE {_jobs.name} ADD COLUMN owner VARCHAR(64) NOT NULL "
+                    f"DEFAULT '{DEFAULT_TEAM}'"
+                )
+            )
 
     @staticmethod
     def _record(row: Any) -> JobRecord:
@@ -399,6 +418,7 @@ class JobStore:
             cancel_requested=bool(m["cancel_requested"]),
             message=m["message"] or "",
             progress=json.loads(m["progress"] or "{}"),
+            owner=m["owner"] or DEFAULT_TEAM,
         )
 
     def add(self, rec: JobRecord) -> JobRecord:
@@ -420,6 +440,7 @@ class JobStore:
                     cancel_requested=False,
                     message=rec.message,
                     progress="{}",
+                    owner=rec.owner,
                 )
             )
             pk = result.inserted_primary_key
@@ -439,11 +460,15 @@ class JobStore:
             raise NotFound(f"no study {job_id!r}")
         return self._record(row)
 
-    def records(self, states: Iterable[str] | None = None) -> list[JobRecord]:
-        """Jobs in submission order, optionally only those in ``states``."""
+    def records(
+        self, states: Iterable[str] | None = None, owner: str | None = None
+    ) -> list[JobRecord]:
+        """Jobs in submission order, optionally only those in ``states`` / of ``owner``."""
         q = sa.select(_jobs).order_by(_jobs.c.seq)
         if states is not None:
             q = q.where(_jobs.c.state.in_(list(states)))
+        if owner is not None:
+            q = q.where(_jobs.c.owner == owner)
         with self.engine.connect() as conn:
             return [self._record(r) for r in conn.execute(q)]
 
@@ -1118,26 +1143,32 @@ class JobService:
         self.clock = clock
         self.data_dir = Path(settings.data_dir).resolve()
         self.roots = [Path(r).expanduser().resolve() for r in settings.trace_roots]
+        self.models_dir = self.data_dir / "models"
+        self.model_roots = [
+            *(Path(r).expanduser().resolve() for r in settings.model_roots),
+            self.models_dir,
+        ]
         self._storages: dict[str, optuna.storages.BaseStorage] = {}
         self._storage_lock = threading.Lock()
 
     # --- submit --------------------------------------------------------------------------------
 
     def _under_roots(self, path: Path, extra: Iterable[Path] = ()) -> bool:
-        real = path.resolve()
-        return any(real.is_relative_to(r) for r in [*self.roots, *extra])
+        return security.under(path, [*self.roots, *extra])
 
     def submit(
         self,
         sub: Submission,
         *,
         upload: tuple[str, bytes] | None = None,
+        owner: Principal | None = None,
     ) -> tuple[JobRecord, list[str]]:
         """Check a submission and queue it.
 
         Args:
             sub: The submission.
             upload: A trace uploaded as a file part: (file name, bytes).
+            owner: Who submits (its team owns the study; None: the default team).
 
         Returns:
             The queued job and notes on what the service changed in it.
@@ -1148,8 +1179,9 @@ class JobService:
         """
         job_id = uuid.uuid4().hex[:12]
         upload_dir = self.data_dir / "uploads" / job_id
+        team = owner.team if owner is not None else DEFAULT_TEAM
         try:
-            return self._submit(job_id, upload_dir, sub, upload)
+            return self._submit(job_id, upload_dir, sub, upload, team)
         except BaseException:
             shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
             raise
@@ -1160,7 +1192,9 @@ class JobService:
         upload_dir: Path,
         sub: Submission,
         upload: tuple[str, bytes] | None,
+        team: str,
     ) -> tuple[JobRecord, list[str]]:
+        security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
         doc = json.loads(json.dumps(sub.job, default=str))
         notes: list[str] = []
         if sub.trace_upload is not None:
@@ -1193,24 +1227,26 @@ class JobService:
         if doc.get("ray_address"):
             notes.append("ray_address: ignored; studies run on the service's cluster")
         doc["ray_address"] = None
-        if not doc.get("storage") and self.settings.study_storage:
-            doc["storage"] = self.settings.study_storage
+        notes += self._operator_urls(doc)
         engine = doc.get("engine")
         if isinstance(engine, dict):
             if engine.get("python"):
                 raise ConfigError(
                     "engine.python: the service runs servers with its own vLLM; remove the key"
                 )
-            env = engine.get("env")
-            # Not a mapping: the job loader below says so (iterating it here would be a 500).
-            bad = [k for k in env if _FORBIDDEN_ENV.search(str(k))] if isinstance(env, dict) else []
-            if bad:
-                raise ConfigError(
-                    f"engine.env: {', '.join(bad)} may not be set through the service "
-                    "(it would change which code the server runs); remove them"
-                )
+            # Not mappings: the job loader below says so (iterating them here would be a 500).
+            if isinstance(engine.get("env"), dict):
+                security.check_env(engine["env"])
+            for key in ("args", "baseline_args"):
+                if isinstance(engine.get(key), dict):
+                    security.check_engine_args(engine[key], f"engine.{key}")
+        model = doc.get("model")
+        made = isinstance(model, dict) and model.get("make") and isinstance(model.get("path"), str)
+        if made and not model["path"].startswith(("/", "~")):  # a relative target: ours
+            model["path"] = str(self.models_dir / model["path"])
         base = self.roots[0] if self.roots else self.data_dir
         job, base = load_job(doc, base=base)
+        self._check_model(job)
         trace_path = Path(job.trace.path)
         if not self._under_roots(trace_path, [upload_dir]):
             raise SubmissionRefused(
@@ -1231,7 +1267,8 @@ class JobService:
                 "space in the job or use a preset name",
                 status=403,
             )
-        self.check_plan(job, base)
+        self._check_space(job)
+        self._prepare(job, base)
         now = self.clock()
         rec = JobRecord(
             id=job_id,
@@ -1245,6 +1282,7 @@ class JobService:
             submitted_at=now,
             not_before=_timestamp("not_before", sub.not_before),
             until=_timestamp("until", sub.until),
+            owner=team,
         )
         if rec.until is not None and rec.until <= now:
             raise ConfigError("until: the time window has already closed; give a later time")
@@ -1252,11 +1290,83 @@ class JobService:
         self.scheduler.wake()
         return rec, notes
 
+    def _operator_urls(self, doc: dict[str, Any]) -> list[str]:
+        """Storage and MLflow are the operator's: a job's own URLs are replaced (with a note)."""
+        notes: list[str] = []
+        if doc.get("storage"):
+            notes.append("storage: ignored; the service keeps every study in its own storage")
+        doc.pop("storage", None)
+        if self.settings.study_storage:
+            doc["storage"] = self.settings.study_storage
+        ml = doc.get("mlflow")
+        if isinstance(ml, dict):
+            if ml.get("tracking_uri"):
+                notes.append("mlflow.tracking_uri: ignored; the service's MLflow store is used")
+            ml.pop("tracking_uri", None)
+            if self.settings.mlflow_uri:
+                ml["tracking_uri"] = self.settings.mlflow_uri
+        return notes
+
+    def _check_model(self, job: JobConfig) -> None:
+        """A model folder is read under the model roots, and made only under DATA_DIR/models."""
+        path = job.model.path
+        if job.model.make:
+            if not security.under(path, [self.models_dir]):
+                raise SubmissionRefused(
+                    f"model.path: with `make` the service creates models only in its own "
+                    f"folder; give a relative path (it lands in {self.models_dir})",
+                    status=403,
+                )
+        elif Path(path).is_absolute() and not security.under(path, self.model_roots):
+            raise SubmissionRefused(
+                "model.path: outside the service's model roots ("
+                + ", ".join(str(r) for r in self.model_roots)
+                + "): ask the operator to add a --model-root, or give a hub name",
+                status=403,
+            )
+
+    @staticmethod
+    def _check_space(job: JobConfig) -> None:
+        """Every flag the search space can set is one the service accepts."""
+        from search_spaces.schema import load_space
+
+        security.check_space(load_space(job.search_space))
+
+    def _prepare(self, job: JobConfig, base: Path) -> None:
+        """The plan check, with every failure a 4xx that quotes none of the trace."""
+        try:
+            self.check_plan(job, base)
+        except TraceError as exc:
+            where = ", ".join(
+                f"{k} {v}" for k, v in (("line", exc.line), ("field", exc.field)) if v is not None
+            )
+            raise ConfigError(
+                f"trace: {Path(job.trace.path).name} cannot be read"
+                + (f" ({where})" if where else "")
+                + "; the service does not quote the file: `vllm-autotune trace inspect` on it "
+                "says what is wrong"
+            ) from None
+        except (ConfigError, SubmissionRefused):
+            raise
+        except Exception as exc:
+            log.warning("submission refused: its plan failed with %s", type(exc).__name__)
+            raise ConfigError(
+                f"the job could not be prepared ({type(exc).__name__}): the trace or the "
+                "model folder is unreadable; `vllm-autotune tune` on it locally says more"
+            ) from None
+
     # --- reads ---------------------------------------------------------------------------------
 
-    def get(self, job_id: str) -> JobRecord:
-        """One job (raises NotFound)."""
-        return self.store.get(job_id)
+    def get(self, job_id: str, who: Principal | None = None) -> JobRecord:
+        """One job, if ``who`` may see it (None: anyone, the service itself).
+
+        Raises:
+            NotFound: No such job, or another team's (the same answer: no id is confirmed).
+        """
+        rec = self.store.get(job_id)
+        if who is not None and not who.may_see(rec.owner):
+            raise NotFound(f"no study {job_id!r}")
+        return rec
 
     def summary(self, rec: JobRecord) -> dict[str, Any]:
         """The short form of a job (lists)."""
@@ -1266,6 +1376,7 @@ class JobService:
         return {
             "id": rec.id,
             "name": rec.name,
+            "owner": rec.owner,
             "state": state,
             "submitted_at": _iso(rec.submitted_at),
             "not_before": _iso(rec.not_before),
@@ -1278,9 +1389,10 @@ class JobService:
             "progress": rec.progress,
         }
 
-    def list_summaries(self) -> list[dict[str, Any]]:
-        """Every job, in submission order, short form."""
-        return [self.summary(r) for r in self.store.records()]
+    def list_summaries(self, who: Principal | None = None) -> list[dict[str, Any]]:
+        """Every job ``who`` may see (None or an admin: all), in submission order, short form."""
+        owner = None if who is None or who.admin else who.team
+        return [self.summary(r) for r in self.store.records(owner=owner)]
 
     def _storage(self, url: str) -> optuna.storages.BaseStorage:
         from optimizer.study import create_storage
@@ -1312,11 +1424,11 @@ class JobService:
                 raise
             return None  # a job that failed while creating its storage
 
-    def detail(self, job_id: str) -> dict[str, Any]:
+    def detail(self, job_id: str, who: Principal | None = None) -> dict[str, Any]:
         """Status, progress, budget, trials and the front with the baseline and gains."""
         from optimizer.report import front_rows, study_status
 
-        rec = self.store.get(job_id)
+        rec = self.get(job_id, who)
         doc = self.summary(rec)
         doc["job"] = redact_job(rec.job)
         study = self.study(rec)
@@ -1389,13 +1501,13 @@ class JobService:
             "retry_of": t.user_attrs.get("retry_of"),
         }
 
-    def trial(self, job_id: str, number: int) -> dict[str, Any]:
+    def trial(self, job_id: str, number: int, who: Principal | None = None) -> dict[str, Any]:
         """One trial in full: engine args, summary, memory, constraints, message.
 
         Raises:
-            NotFound: No such job or trial.
+            NotFound: No such job or trial (or another team's).
         """
-        rec = self.store.get(job_id)
+        rec = self.get(job_id, who)
         study = self.study(rec)
         trials = study.get_trials(deepcopy=False) if study is not None else []
         if not 0 <= number < len(trials):
@@ -1420,8 +1532,9 @@ class JobService:
 
     # --- actions -------------------------------------------------------------------------------
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str, who: Principal | None = None) -> dict[str, Any]:
         """Cancel a job (see :meth:`Scheduler.cancel`); returns its short form."""
+        self.get(job_id, who)
         return self.summary(self.scheduler.cancel(job_id))
 
     def export(
@@ -1435,6 +1548,7 @@ class JobService:
         validate: bool = False,
         runs: int = 3,
         force: bool = False,
+        who: Principal | None = None,
     ) -> ExportResult:
         """The chosen configuration rendered for ``fmt``.
 
@@ -1446,7 +1560,7 @@ class JobService:
         """
         from optimizer import export as ex
 
-        rec = self.store.get(job_id)
+        rec = self.get(job_id, who)
         study = self.study(rec)
         plan_file = Path(rec.out) / "plan.json"
         if study is None or not plan_file.exists():
@@ -1461,6 +1575,12 @@ class JobService:
         )
         args = _trial_args(chosen)
         names = list(study.metric_names or [])
+        # What the service would refuse is not exported, nor re-run (a study stored before the
+        # allow-list, or a trial whose arguments were changed since).
+        _check_stored_job(rec.job)
+        security.check_engine_args(args, f"trial {chosen.number}'s engine arguments")
+        if baseline is not None and validate:
+            security.check_engine_args(_trial_args(baseline), "the baseline's engine arguments")
         if validate:
             if baseline is None:
                 raise SubmissionRefused("the study has no baseline to validate against", status=409)
@@ -1518,11 +1638,31 @@ class JobService:
         }
 
 
+def _check_stored_job(job: Mapping[str, Any]) -> None:
+    """A stored job's engine flags and environment against the service's allow-lists."""
+    engine = job.get("engine") or {}
+    security.check_env(engine.get("env") or {}, "the study's engine.env")
+    for key in ("args", "baseline_args"):
+        security.check_engine_args(engine.get(key) or {}, f"the study's engine.{key}")
+
+
 def _prepare_check(job: JobConfig, base: Path) -> None:
-    """Build the plan without starting anything (flags are checked by the driver)."""
+    """Build the plan without starting anything; flags and values are checked against the
+    installed vLLM as `tune` does, when this process has one (else the driver checks them)."""
     from optimizer.study import prepare
 
-    prepare(job, base, check_flags=False)
+    prepare(job, base, check_flags=_has_vllm())
+
+
+@functools.cache
+def _has_vllm() -> bool:
+    from optimizer.vllm_flags import installed_vllm
+
+    try:
+        installed_vllm()
+    except (ConfigError, OSError, ValueError):
+        return False
+    return True
 
 
 def _cluster_validator(

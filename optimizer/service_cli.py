@@ -152,6 +152,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             "database_url": ns.database,
             "data_dir": ns.data_dir,
             "trace_roots": ns.trace_root,
+            "model_roots": ns.model_root,
+            "mlflow_uri": ns.mlflow_uri,
             "token_file": ns.token_file,
             "max_concurrent": ns.max_concurrent,
             "max_upload_mib": ns.max_upload_mib,
@@ -179,6 +181,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from ray import serve
 
         serve.shutdown()  # type: ignore[no-untyped-call]
+    return 0
+
+
+def cmd_token(ns: argparse.Namespace) -> int:
+    """Print a new token (for the team) and the line for the service's token file."""
+    import secrets
+
+    from optimizer.service.auth import hash_token, parse_token_lines
+
+    token = secrets.token_hex(32)
+    line = f"{ns.team} sha256:{hash_token(token)}" + (" admin" if ns.admin else "")
+    parse_token_lines(line, "--team")  # a bad team name fails here, not at the service's start
+    console.print(f"token (give it to the team; it is shown once): {token}", soft_wrap=True)
+    console.print(f"token-file line (the service keeps only this): {line}", soft_wrap=True)
     return 0
 
 
@@ -346,9 +362,16 @@ def register(sub: Any) -> None:
         help="folder job traces may come from (repeatable); others must be uploaded",
     )
     p.add_argument(
+        "--model-root",
+        action="append",
+        default=[],
+        help="folder local models may come from (repeatable; DATA_DIR/models always)",
+    )
+    p.add_argument(
         "--token-file",
         default=None,
-        help="API tokens, one a line (also $VLLM_AUTOTUNE_TOKENS, comma separated)",
+        help="API tokens: 'TEAM sha256:DIGEST [admin]' a line (see `vllm-autotune token`); "
+        "also $VLLM_AUTOTUNE_TOKENS (TEAM:TOKEN, comma separated)",
     )
     p.add_argument(
         "--max-concurrent",
@@ -364,9 +387,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--no-mlflow", action="store_true", help="never log studies to MLflow")
     p.add_argument(
+        "--mlflow-uri", default=None, help="MLflow store of every study (default: per study)"
+    )
+    p.add_argument(
         "--detach", action="store_true", help="return once deployed (with --ray-address)"
     )
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("token", help="make an API token for a team and its token-file line")
+    p.add_argument("--team", required=True)
+    p.add_argument("--admin", action="store_true", help="the token sees every team's studies")
+    p.set_defaults(func=cmd_token)
 
     p = sub.add_parser("submit", help="send a job file to a tuner service")
     p.add_argument("job", help="job YAML file")

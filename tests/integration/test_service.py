@@ -8,6 +8,8 @@ re-run of trial 1, and the second study's baseline (cancelled)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -53,11 +55,12 @@ def _free_port() -> int:
 class Service:
     """Start, stop and restart the service on one database and data folder."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, model_root: Path) -> None:
         self.settings = ServiceSettings(
             database_url=f"sqlite:///{tmp / 'service.db'}",
             data_dir=str(tmp / "data"),
             trace_roots=(str(TRACES),),
+            model_roots=(str(model_root),),
             token_sha256=(hash_token(TOKEN),),
             max_concurrent=1,
             max_upload_bytes=1024**2,
@@ -95,7 +98,7 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, vllm_install: object) -> Iterator[Service]:
-    svc = Service(tmp_path_factory.mktemp("service"))
+    svc = Service(tmp_path_factory.mktemp("service"), tmp_path_factory.getbasetemp())
     svc.start()
     try:
         yield svc
@@ -147,6 +150,57 @@ def test_refusals(service: Service, tmp_path: Path, tiny_model: Path) -> None:
     r = service.post("/v1/studies", json={**job, "trace": {**job["trace"], "path": str(outside)}})
     assert r.status_code == 403 and "outside the service's trace roots" in r.json()["detail"]
     assert service.get("/v1/studies").json() == []
+
+
+def test_a_trace_that_is_also_a_plugin_never_runs(
+    service: Service, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Issue 13: an uploaded "trace" that is also valid Python, named by a code-loading engine
+    flag, was imported by the vLLM server at start (as root, in the study and in re-validating
+    exports). Now the flag is refused at submit: no server starts, the code never runs, and
+    nothing is written outside the service's folders (nor by `make`, `storage` or MLflow)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    marker = outside / "pwned"
+    rows = [json.dumps({"prompt": "hello " * 8, "output_tokens": 8}) for _ in range(30)]
+    payload = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')"
+    text = "\n".join([*rows, payload, ""])  # JSON lines are Python dicts; the payload a bad row
+    plugin = outside / "parser.py"
+    plugin.write_text(text)
+    job = small_job(tmp_path, tiny_model, "plugin-attack")
+    job["trace"] = {**job["trace"], "path": "t.py", "skip_bad_rows": True, "format": "vllm-custom"}
+    before = {p.name for p in outside.iterdir()}
+    for flag, value in (
+        ("tool-parser-plugin", str(plugin)),
+        ("reasoning-parser-plugin", str(plugin)),
+        ("chat-template", str(plugin)),
+    ):
+        attack = {
+            **job,
+            "engine": {**job["engine"], "args": {**job["engine"]["args"], flag: value}},
+        }
+        doc = {
+            "job": attack,
+            "trace_upload": {
+                "filename": "parser.py",
+                "content_b64": base64.b64encode(text.encode()).decode(),
+            },
+        }
+        r = service.post("/v1/studies", json=doc)
+        assert r.status_code == 422 and flag in r.json()["detail"], r.text
+    r = service.post(
+        "/v1/studies",
+        json={**job, "engine": {**job["engine"], "env": {"VLLM_PLUGINS": "parser"}}},
+    )
+    assert r.status_code == 422 and "VLLM_PLUGINS" in r.json()["detail"], r.text
+    made = outside / "made-model"
+    r = service.post("/v1/studies", json={**job, "model": {"path": str(made), "make": "tiny"}})
+    assert r.status_code == 403, r.text
+    time.sleep(3)  # a scheduler tick or two: nothing was queued, nothing starts
+    assert service.get("/v1/studies").json() == []
+    assert not servers_of(tiny_model)
+    assert not marker.exists()
+    assert {p.name for p in outside.iterdir()} == before
 
 
 @pytest.mark.timeout(1800)

@@ -12,14 +12,18 @@ Derandomized (the same cases every run); ``-s`` prints the case counts and statu
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
+import yaml
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,6 +49,7 @@ OPERATIONS = {
 AUTHED_EXAMPLES = 50
 ANON_EXAMPLES = 10
 MUTANT_EXAMPLES = 100
+HOSTILE_EXAMPLES = 60
 
 CASES: Counter[str] = Counter()  # requests sent, by pass and operation
 STATUSES: Counter[str] = Counter()  # what they got, with a token
@@ -205,6 +210,117 @@ def test_mutated_jobs_are_refused_not_crashed(api_schema: schemathesis.BaseSchem
         CASES["mutated POST /v1/studies"] += 1
         response = case.call_and_validate(checks=[not_a_server_error])
         STATUSES[f"mutated POST /v1/studies -> {response.status_code}"] += 1
+
+    fuzz()
+
+
+# Issue 13's attacks as strategies: code-loading flags and env anywhere a job names flags,
+# paths outside the roots, YAML alias bombs and deep nesting, unreadable traces.
+_HOSTILE_FLAGS = st.sampled_from(
+    [
+        "tool-parser-plugin",
+        "reasoning-parser-plugin",
+        "chat-template",
+        "tokenizer",
+        "download-dir",
+        "config",
+        "trust-remote-code",
+        "served-model-name",
+        "logging-config",
+        "max-num-seqz",
+    ]
+)
+_HOSTILE_ENV = st.sampled_from(["VLLM_PLUGINS", "OPENSSL_CONF", "HF_HOME", "LD_PRELOAD", "X"])
+_SOMEWHERE = st.sampled_from(["/tmp/fuzz-outside/x", "../../x", "~/x", "/etc/passwd", "x.py"])
+
+
+@st.composite
+def _hostile_body(draw: st.DrawFn) -> tuple[str, str, bytes]:
+    """(kind, content type, body) of one of issue 13's attacks, with drawn details."""
+    job = copy.deepcopy(_JOB)
+    kind = draw(
+        st.sampled_from(["flag", "baseline", "space", "env", "paths", "yaml", "deep", "trace"])
+    )
+    if kind in ("flag", "baseline"):
+        key = "args" if kind == "flag" else "baseline_args"
+        job["engine"][key] = {draw(_HOSTILE_FLAGS): draw(_SOMEWHERE | st.booleans())}
+    elif kind == "space":
+        job["search_space"]["params"][draw(_HOSTILE_FLAGS)] = {
+            "type": "categorical",
+            "choices": [draw(_SOMEWHERE)],
+        }
+    elif kind == "env":
+        job["engine"]["env"] = {draw(_HOSTILE_ENV): draw(_SOMEWHERE)}
+    elif kind == "paths":
+        target = draw(_SOMEWHERE)
+        job[draw(st.sampled_from(["model", "storage", "mlflow"]))] = draw(
+            st.sampled_from(
+                [
+                    {"path": target, "make": "tiny"},
+                    {"path": target},
+                    f"sqlite:///{target}.db",
+                    {"enabled": True, "tracking_uri": f"sqlite:///{target}.db"},
+                ]
+            )
+        )
+    elif kind == "yaml":
+        levels = draw(st.integers(1, 9))
+        lines = ['a0: &a0 ["xxxxxxxx"]']
+        lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+        text = yaml.safe_dump(job) + "\n".join(lines) + f"\nextra: *a{levels}\n"
+        return kind, "application/yaml", text.encode()
+    elif kind == "deep":
+        n = draw(st.integers(33, 200_000))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        return kind, "application/json", ('{"job": ' + opener * n + "1" + closer * n + "}").encode()
+    else:
+        data = draw(st.binary(min_size=1, max_size=2000)) + draw(
+            st.sampled_from([b"", b"x" * 200_000, b'{"format": "nope", "version": 1}\n'])
+        )
+        doc = {
+            "job": job,
+            "trace_upload": {
+                "filename": draw(st.sampled_from(["t.csv", "t.jsonl", "t.py", "../t.csv"])),
+                "content_b64": base64.b64encode(data).decode(),
+            },
+        }
+        return kind, "application/json", json.dumps(doc).encode()
+    return kind, "application/json", json.dumps({"job": job}).encode()
+
+
+def test_hostile_submissions_are_refused_with_a_4xx(
+    api_schema: schemathesis.BaseSchema, fuzz_app: _App
+) -> None:
+    """Issue 13's attacks with drawn details: never a 201 that would run them, never a 5xx, and
+    no file planted outside the service's folders."""
+    submit_op = api_schema["/v1/studies"]["POST"]
+    outside = Path("/tmp/fuzz-outside")
+
+    @settings(_FUZZ, max_examples=HOSTILE_EXAMPLES)
+    @given(body=_hostile_body())
+    def fuzz(body: tuple[str, str, bytes]) -> None:
+        kind, ctype, data = body
+        case = submit_op.Case(media_type=ctype, headers={**AUTH, "Content-Type": ctype})
+        case.body = data
+        CASES["hostile POST /v1/studies"] += 1
+        response = case.call(headers={"Content-Type": ctype}, data=data)
+        STATUSES[f"hostile POST /v1/studies -> {response.status_code}"] += 1
+        assert response.status_code < 500, response.text[:300]
+        assert not outside.exists()
+        if response.status_code != 201:
+            return
+        # Accepted: a trace this app's (fake) plan check does not read, or a path the service
+        # rewrote itself (storage, MLflow: with a note) or a hub name (not a path at all).
+        rec = fuzz_app.service.get(response.json()["id"])
+        assert kind in ("trace", "paths"), (kind, response.text[:300])
+        if kind == "paths":
+            model = rec.job["model"]["path"]
+            assert (
+                "ignored" in " ".join(response.json()["notes"])
+                or not Path(model).is_absolute()
+                or Path(model).is_relative_to(fuzz_app.service.data_dir)
+            ), rec.job
+            assert rec.storage_url == f"sqlite:///{rec.out}/study.db"
 
     fuzz()
 

@@ -1,0 +1,412 @@
+"""What a submitter may ask of the service: engine flags, environment, paths, document shape.
+
+The service runs other people's jobs as its own user, so a job is data, never code. This module
+holds the allow-lists and limits that make it so; :class:`~optimizer.jobs.JobService` applies
+them at submit time and again before an export (a study stored before a rule existed is
+refused, not exported). A local ``tune`` run is its user's own: none of this applies to it.
+
+- **Engine flags**: only flags that change performance, with values of a checked shape
+  (:data:`SERVICE_FLAGS`: the presets' tuning flags and their peers). A flag that loads code,
+  plugins, templates or files (``*-plugin``, ``--chat-template``, ``--tokenizer``,
+  ``--download-dir``, ``--config``, ``--trust-remote-code``, ...) is not on the list and is
+  refused with 422 naming it. ``speculative-config`` takes only the n-gram method's keys (a
+  draft model would be a path).
+- **Environment**: an allow-list (:data:`SERVICE_ENV`), each value of a checked shape (no
+  paths).
+- **Documents**: :func:`parse_document` reads JSON or YAML without YAML aliases (nothing is
+  expanded), with bounded nesting, string size and container size; every error is a
+  :class:`~optimizer.errors.ConfigError` (422) that quotes none of the body.
+- **Paths**: :func:`under` resolves a path (symlinks included) and says whether it lies under
+  one of the operator's roots.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from optimizer.errors import ConfigError
+
+__all__ = [
+    "MAX_CONTAINER_ITEMS",
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "MAX_STRING",
+    "SERVICE_ENV",
+    "SERVICE_FLAGS",
+    "check_engine_args",
+    "check_env",
+    "check_space",
+    "parse_document",
+    "under",
+]
+
+# --- engine flags -----------------------------------------------------------------------------
+
+#: A value check: None when fine, else what is wrong (never quoting a long value).
+Check = Callable[[Any], "str | None"]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(low: int, high: int) -> Check:
+    def check(v: Any) -> str | None:
+        if not _is_int(v) or not low <= v <= high:
+            return f"an integer from {low} to {high}"
+        return None
+
+    return check
+
+
+def _float(low: float, high: float) -> Check:
+    def check(v: Any) -> str | None:
+        ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and low <= v <= high
+        return None if ok else f"a number from {low} to {high}"
+
+    return check
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "true or false"
+
+
+def _choice(*values: str) -> Check:
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and v in values else f"one of {', '.join(values)}"
+
+    return check
+
+
+_SPEC_KEYS: dict[str, Check] = {
+    "method": _choice("ngram"),
+    "num_speculative_tokens": _int(1, 16),
+    "prompt_lookup_min": _int(1, 64),
+    "prompt_lookup_max": _int(1, 64),
+}
+
+
+def _speculative(v: Any) -> str | None:
+    """n-gram speculation only: any other method names a draft model (a path or a download)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            return "a mapping of n-gram speculation keys"
+    if not isinstance(v, dict):
+        return "a mapping of n-gram speculation keys"
+    for key, value in v.items():
+        check = _SPEC_KEYS.get(key)
+        if check is None:
+            return f"a mapping with only the keys {', '.join(_SPEC_KEYS)} (not {str(key)[:40]!r})"
+        if value is not None and (problem := check(value)) is not None:
+            return f"a mapping whose {key} is {problem}"
+    return None
+
+
+_GIB = 1024**3
+#: Engine flags a submitter may set, each with its value check. Performance, never code: every
+#: flag here takes a number, a boolean or a fixed word, none a path, module or template.
+SERVICE_FLAGS: dict[str, Check] = {
+    # the presets' tuning flags
+    "max-num-seqs": _int(1, 65536),
+    "max-num-batched-tokens": _int(1, 16 * 1024**2),
+    "enable-chunked-prefill": _bool,
+    "enable-prefix-caching": _bool,
+    "gpu-memory-utilization": _float(0.01, 1.0),
+    "max-model-len": _int(1, 16 * 1024**2),
+    "block-size": _int(1, 4096),
+    "kv-cache-dtype": _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"),
+    "quantization": _choice("fp8"),
+    "enforce-eager": _bool,
+    "speculative-config": _speculative,
+    "tensor-parallel-size": _int(1, 64),
+    "pipeline-parallel-size": _int(1, 64),
+    # their peers: scheduling, memory, parallelism
+    "data-parallel-size": _int(1, 64),
+    "enable-expert-parallel": _bool,
+    "long-prefill-token-threshold": _int(0, 16 * 1024**2),
+    "scheduling-policy": _choice("fcfs", "priority"),
+    "async-scheduling": _bool,
+    "num-gpu-blocks-override": _int(1, 2**31 - 1),
+    "kv-cache-memory-bytes": _int(1, 16 * 1024 * _GIB),
+    "cpu-offload-gb": _float(0, 4096),
+    "max-cudagraph-capture-size": _int(1, 65536),
+    "disable-custom-all-reduce": _bool,
+    "disable-cascade-attn": _bool,
+    "disable-sliding-window": _bool,
+    "dtype": _choice("auto", "half", "float16", "bfloat16", "float", "float32"),
+    "load-format": _choice("auto", "dummy", "safetensors", "pt"),
+    "distributed-executor-backend": _choice("mp", "uni", "ray"),
+    "seed": _int(0, 2**32 - 1),
+    "disable-log-stats": _bool,
+    "max-logprobs": _int(0, 1024),
+}
+
+
+def _flag_name(raw: str) -> tuple[str, bool]:
+    """``--max_num_seqs`` -> (``max-num-seqs``, False); ``no-enforce-eager`` -> (..., True)."""
+    name = str(raw).lstrip("-").replace("_", "-")
+    if name.startswith("no-") and name[3:] in SERVICE_FLAGS:
+        return name[3:], True
+    return name, False
+
+
+def check_engine_arg(raw: str, value: Any, where: str) -> None:
+    """One flag and its value against :data:`SERVICE_FLAGS`.
+
+    Raises:
+        ConfigError: The flag is not on the list (named, with the closest listed one) or its
+            value has the wrong shape.
+    """
+    name, negated = _flag_name(raw)
+    check = SERVICE_FLAGS.get(name)
+    label = f"{where}.{str(raw)[:80]}"
+    if check is None:
+        close = difflib.get_close_matches(name, list(SERVICE_FLAGS), n=1, cutoff=0.75)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"{label}: the service does not accept the engine flag --{name[:80]}{hint} "
+            "(it accepts only flags that change performance, not code or files: "
+            f"{', '.join(SERVICE_FLAGS)})"
+        )
+    if value is None:
+        return
+    problem = _bool(value) if negated else check(value)
+    if problem is not None:
+        raise ConfigError(f"{label}: --{name} must be {problem}")
+
+
+def check_engine_args(args: Mapping[str, Any] | None, where: str = "engine.args") -> None:
+    """Every flag of ``args`` (see :func:`check_engine_arg`)."""
+    for raw, value in (args or {}).items():
+        check_engine_arg(raw, value, where)
+
+
+# --- environment ------------------------------------------------------------------------------
+
+
+def _pattern(regex: str, what: str) -> Check:
+    compiled = re.compile(regex)
+
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and compiled.fullmatch(v) else what
+
+    return check
+
+
+_BIT = _pattern(r"[01]", "0 or 1")
+_COUNT = _pattern(r"[0-9]{1,6}", "a whole number")
+_SECRET_TOKEN = _pattern(r"[A-Za-z0-9_-]{1,256}", "a token (letters, digits, _ and -)")
+#: Environment variables a submitter may give the server, each with its value check. None of
+#: them names a file, a module or a plugin (``VLLM_PLUGINS``, ``OPENSSL_CONF``, ``HF_HOME``,
+#: ``LD_*``, ``PYTHON*`` and everything else are refused).
+SERVICE_ENV: dict[str, Check] = {
+    "VLLM_CPU_KVCACHE_SPACE": _COUNT,
+    "VLLM_CPU_OMP_THREADS_BIND": _pattern(
+        r"auto|nobind|[0-9,|-]{1,200}", "auto, nobind or CPU ids"
+    ),
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": _COUNT,
+    "OMP_NUM_THREADS": _COUNT,
+    "MKL_NUM_THREADS": _COUNT,
+    "VLLM_LOGGING_LEVEL": _pattern(r"DEBUG|INFO|WARNING|ERROR|CRITICAL", "a logging level"),
+    "VLLM_ATTENTION_BACKEND": _pattern(r"[A-Z0-9_]{1,64}", "a backend name"),
+    "VLLM_USE_V1": _BIT,
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": _BIT,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": _BIT,
+    "VLLM_WORKER_MULTIPROC_METHOD": _pattern(r"spawn|fork", "spawn or fork"),
+    "VLLM_NO_USAGE_STATS": _BIT,
+    "DO_NOT_TRACK": _BIT,
+    "TOKENIZERS_PARALLELISM": _pattern(r"true|false", "true or false"),
+    "HF_HUB_OFFLINE": _BIT,
+    "HF_TOKEN": _SECRET_TOKEN,
+    "HUGGING_FACE_HUB_TOKEN": _SECRET_TOKEN,
+    "NCCL_P2P_DISABLE": _BIT,
+    "NCCL_IB_DISABLE": _BIT,
+    "NCCL_DEBUG": _pattern(r"VERSION|WARN|INFO", "VERSION, WARN or INFO"),
+    "CUDA_DEVICE_MAX_CONNECTIONS": _COUNT,
+    "PYTORCH_CUDA_ALLOC_CONF": _pattern(r"[A-Za-z0-9_:,.]{1,128}", "allocator options"),
+}
+
+
+def check_env(env: Mapping[str, Any] | None, where: str = "engine.env") -> None:
+    """Every variable of ``env`` against :data:`SERVICE_ENV`.
+
+    Raises:
+        ConfigError: A variable not on the list (named) or a value of the wrong shape.
+    """
+    for key, value in (env or {}).items():
+        check = SERVICE_ENV.get(str(key))
+        name = str(key)[:80]
+        if check is None:
+            raise ConfigError(
+                f"{where}.{name}: the service does not pass this variable to servers (it "
+                f"accepts only: {', '.join(SERVICE_ENV)})"
+            )
+        problem = check(value)
+        if problem is not None:
+            raise ConfigError(f"{where}.{name}: must be {problem}")
+
+
+def check_space(space: Any, where: str = "search_space") -> None:
+    """Every flag a search space can set (fixed flags, params and their whole domains).
+
+    Args:
+        space: A loaded :class:`~search_spaces.schema.SearchSpace`.
+
+    Raises:
+        ConfigError: A flag or a value the service does not accept.
+    """
+    dotted: dict[str, dict[str, list[Any]]] = {}
+    items: list[tuple[str, list[Any]]] = [(n, [v]) for n, v in space.fixed.items()]
+    items += [(n, list(p.domain())) for n, p in space.params.items()]
+    for name, values in items:
+        top, dot, key = name.partition(".")
+        if dot:
+            dotted.setdefault(top, {})[key] = values
+            continue
+        for value in values:
+            check_engine_arg(name, value, f"{where}.{'fixed' if name in space.fixed else 'params'}")
+    for top, keys in dotted.items():
+        for key, values in keys.items():
+            for value in values:
+                check_engine_arg(top, {key: value}, f"{where}.params")
+
+
+# --- documents --------------------------------------------------------------------------------
+
+#: Deepest nesting of a submitted document (a job nests about 7 levels).
+MAX_DEPTH = 32
+#: Longest string anywhere in a submitted document (an uploaded trace's base64 is exempt: the
+#: body size limit bounds it).
+MAX_STRING = 64 * 1024
+#: Most items of one list or mapping.
+MAX_CONTAINER_ITEMS = 10_000
+#: Most values in a whole document.
+MAX_NODES = 100_000
+
+
+class _Refused(yaml.YAMLError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (nothing is ever expanded) and with a depth cap."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+            raise _Refused(
+                f"YAML aliases (*name, <<: *name) are not accepted (line {mark.line + 1}): "
+                "write the values out"
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(f"the document nests deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _yaml_position(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+def parse_document(data: bytes, *, json_body: bool, exempt: Iterable[tuple[str, ...]] = ()) -> Any:
+    """A JSON or YAML body -> its document, within the limits of this module.
+
+    Args:
+        data: The body.
+        json_body: JSON (else YAML, of which JSON is a subset).
+        exempt: Key paths whose strings may be longer than :data:`MAX_STRING`.
+
+    Raises:
+        ConfigError: Not UTF-8, not parseable, a YAML alias, or over a limit. The message gives
+            a position at most, never the body's content.
+    """
+    kind = "JSON" if json_body else "YAML"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the body is not UTF-8 text (byte {exc.start})") from None
+    try:
+        # _LimitedLoader is a SafeLoader: no Python objects are built
+        doc = json.loads(text) if json_body else yaml.load(text, Loader=_LimitedLoader)
+    except _Refused as exc:
+        raise ConfigError(f"the body is refused: {exc.message}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"the body is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the body is not valid YAML{_yaml_position(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"the body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, OverflowError, TypeError) as exc:
+        # e.g. an integer of more digits than Python converts, a date out of range
+        raise ConfigError(
+            f"the body is not valid {kind}: a value out of range ({type(exc).__name__})"
+        ) from None
+    check_limits(doc, exempt=exempt)
+    return doc
+
+
+def check_limits(doc: Any, *, exempt: Iterable[tuple[str, ...]] = ()) -> None:
+    """Bounded depth, string size, container size and node count (iterative: no recursion).
+
+    Raises:
+        ConfigError: The first limit passed, with the key path where.
+    """
+    exempt_paths = {tuple(p) for p in exempt}
+    stack: list[tuple[Any, tuple[str, ...]]] = [(doc, ())]
+    nodes = 0
+    while stack:
+        node, path = stack.pop()
+        nodes += 1
+        where = ".".join(path) or "(top level)"
+        if nodes > MAX_NODES:
+            raise ConfigError(f"the document has more than {MAX_NODES} values")
+        if len(path) > MAX_DEPTH:
+            raise ConfigError(f"{where[:200]}: the document nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, str):
+            if len(node) > MAX_STRING and path not in exempt_paths:
+                raise ConfigError(f"{where[:200]}: a string longer than {MAX_STRING} characters")
+        elif isinstance(node, dict):
+            if len(node) > MAX_CONTAINER_ITEMS:
+                raise ConfigError(f"{where[:200]}: more than {MAX_CONTAINER_ITEMS} keys")
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise ConfigError(f"{where[:200]}: every key must be a string")
+                if len(key) > 200:
+                    raise ConfigError(f"{where[:200]}: a key longer than 200 characters")
+                stack.append((value, (*path, key)))
+        elif isinstance(node, list):
+            if len(node) > MAX_CONTAINER_ITEMS:
+                raise ConfigError(f"{where[:200]}: more than {MAX_CONTAINER_ITEMS} items")
+            stack.extend((value, (*path, str(i))) for i, value in enumerate(node))
+
+
+# --- paths ------------------------------------------------------------------------------------
+
+
+def under(path: str | Path, roots: Iterable[Path]) -> bool:
+    """``path``, resolved (``..`` and symlinks followed), lies under one of ``roots``."""
+    try:
+        real = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return any(real.is_relative_to(r.resolve()) for r in roots)

@@ -1,0 +1,399 @@
+"""The service as a hostile-but-fair token holder would try it (issue 13), over the HTTP API with
+a real JobService and a FAKE driver launcher: code-loading engine flags and environment, paths
+outside the operator's roots, YAML alias bombs, deep nesting, unreadable traces, flags `tune`
+refuses, other teams' studies, and exports of what the service would refuse.
+
+Each test here failed on the service before the fix (a 201, a 500, a file written, another
+team's study listed) and passes after it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from optimizer.api import create_app, settings_from_args
+from optimizer.jobs import JobService, JobStore, Scheduler
+from tests.unit.test_api import AUTH, fake_study
+from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> JobService:
+    return make_service(tmp_path, FakeLauncher(), max_upload_bytes=1024**2)
+
+
+@pytest.fixture
+def client(service: JobService) -> TestClient:
+    return TestClient(create_app(service), raise_server_exceptions=False)
+
+
+def _post(client: TestClient, doc: dict[str, Any], headers: dict[str, str] = AUTH) -> Any:
+    return client.post("/v1/studies", json=doc, headers=headers)
+
+
+def _upload(name: str, data: bytes) -> dict[str, str]:
+    return {"filename": name, "content_b64": base64.b64encode(data).decode()}
+
+
+# --- 1. engine flags and environment: performance only, never code ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "flag", "value"),
+    [
+        ("args", "tool-parser-plugin", "/data/uploads/x/trace.csv"),
+        ("args", "tool_parser_plugin", "plugin.py"),
+        ("args", "reasoning-parser-plugin", "plugin.py"),
+        ("args", "io-processor-plugin", "x"),
+        ("args", "chat-template", "/etc/passwd"),
+        ("args", "tokenizer", "/somewhere/tok"),
+        ("args", "download-dir", "/tmp/anywhere"),
+        ("args", "served-model-name", "/x"),
+        ("args", "config", "/tmp/cfg.yaml"),
+        ("args", "trust-remote-code", True),
+        ("args", "logging-config", "/tmp/log.json"),
+        ("args", "compilation-config", {"inductor_passes": {"x": "mod.fn"}}),
+        ("args", "speculative-config", {"method": "draft_model", "model": "/tmp/m"}),
+        ("args", "distributed-executor-backend", "my.module.Executor"),
+        ("baseline_args", "tool-parser-plugin", "plugin.py"),
+    ],
+)
+def test_code_loading_engine_flags_are_refused_naming_the_flag(
+    client: TestClient, where: str, flag: str, value: Any
+) -> None:
+    r = _post(client, job_doc("flags", engine={where: {flag: value}}))
+    assert r.status_code == 422, r.text
+    assert flag.split(".")[0] in r.json()["detail"]
+
+
+def test_code_loading_flags_in_the_search_space_are_refused(client: TestClient) -> None:
+    space = {
+        "name": "evil",
+        "params": {
+            "max-num-seqs": {"type": "int", "low": 4, "high": 64},
+            "tool-parser-plugin": {"type": "categorical", "choices": ["a.py", "b.py"]},
+        },
+    }
+    r = _post(client, job_doc("space", search_space=space))
+    assert r.status_code == 422, r.text
+    assert "tool-parser-plugin" in r.json()["detail"]
+    fixed = {"name": "evil", "fixed": {"chat-template": "/etc/shadow"}, "params": {}}
+    r = _post(client, job_doc("space", search_space=fixed))
+    assert r.status_code == 422 and "chat-template" in r.json()["detail"], r.text
+
+
+def test_tuning_flags_of_the_presets_are_accepted(client: TestClient) -> None:
+    args = {
+        "max-num-seqs": 64,
+        "enable-prefix-caching": True,
+        "no-enable-chunked-prefill": True,
+        "kv_cache_dtype": "fp8",
+        "speculative-config": {"method": "ngram", "num_speculative_tokens": 3},
+    }
+    r = _post(client, job_doc("ok-flags", engine={"args": args}, search_space="latency"))
+    assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"VLLM_PLUGINS": "evil"},
+        {"OPENSSL_CONF": "/data/uploads/x/trace.csv"},
+        {"HF_HOME": "/tmp/anywhere"},
+        {"LD_PRELOAD": "/tmp/x.so"},
+        {"PYTHONPATH": "/tmp"},
+        {"VLLM_LOGGING_LEVEL": "INFO; rm -rf /"},
+    ],
+)
+def test_environment_is_an_allow_list(client: TestClient, env: dict[str, str]) -> None:
+    r = _post(client, job_doc("env", engine={"env": env}))
+    assert r.status_code == 422, r.text
+    assert next(iter(env)) in r.json()["detail"]
+
+
+def test_flags_tune_refuses_are_refused_at_submit(client: TestClient) -> None:
+    r = _post(client, job_doc("typo", engine={"args": {"max-num-seqz": 8}}))
+    assert r.status_code == 422, r.text
+    assert "max-num-seqz" in r.json()["detail"] and "max-num-seqs" in r.json()["detail"]
+    r = _post(client, job_doc("badval", engine={"args": {"enable-prefix-caching": "maybe"}}))
+    assert r.status_code == 422, r.text
+
+
+# --- 2. paths: confined to the operator's roots; storage and MLflow are the operator's ----------
+
+
+def test_make_model_cannot_write_outside_the_data_folder(tmp_path: Path) -> None:
+    svc = make_service(tmp_path, FakeLauncher(), real_check=True)
+    client = TestClient(create_app(svc), raise_server_exceptions=False)
+    target = tmp_path / "elsewhere" / "planted-model"
+    r = _post(client, job_doc("mk", model={"path": str(target), "make": "tiny"}))
+    assert r.status_code == 403, r.text
+    assert not target.exists() and not target.parent.exists()
+    # a relative make target lands in the service's own model folder
+    r = _post(client, job_doc("mk2", model={"path": "mine/tiny", "make": "tiny"}))
+    assert r.status_code == 201, r.text
+    rec = svc.get(r.json()["id"])
+    assert Path(rec.job["model"]["path"]).is_relative_to(svc.data_dir / "models")
+
+
+def test_a_local_model_outside_the_model_roots_is_refused(
+    client: TestClient, tmp_path: Path
+) -> None:
+    folder = tmp_path / "private-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    r = _post(client, job_doc("local", model={"path": str(folder)}))
+    assert r.status_code == 403, r.text
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"storage": "sqlite:///{tmp}/elsewhere/evil.db"},
+        {"storage": "journal:///{tmp}/elsewhere/evil.log"},
+        {"mlflow": {"enabled": True, "tracking_uri": "sqlite:///{tmp}/elsewhere/mlflow.db"}},
+        {"mlflow": {"enabled": True, "tracking_uri": "file:///{tmp}/elsewhere/mlruns"}},
+    ],
+)
+def test_storage_and_mlflow_urls_are_the_operators(
+    client: TestClient, service: JobService, tmp_path: Path, over: dict[str, Any]
+) -> None:
+    doc = json.loads(json.dumps(over).replace("{tmp}", str(tmp_path).lstrip("/")))
+    r = _post(client, job_doc("urls", **doc))
+    assert r.status_code == 201, r.text
+    rec = service.get(r.json()["id"])
+    assert "elsewhere" not in rec.storage_url
+    assert "elsewhere" not in json.dumps(rec.job)
+    assert rec.storage_url == f"sqlite:///{rec.out}/study.db"
+    assert any("ignored" in n for n in r.json()["notes"])
+
+
+# --- 3. parsing with limits; malformed input is a 4xx that quotes nothing -----------------------
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ['a0: &a0 ["xxxxxxxxxxxxxxxx"]']
+    for i in range(1, levels + 1):
+        refs = ", ".join([f"*a{i - 1}"] * 9)
+        lines.append(f"a{i}: &a{i} [{refs}]")
+    job = yaml.safe_dump(job_doc("bomb"))
+    return job + "\n".join(lines) + f"\nextra: *a{levels}\n"
+
+
+def test_yaml_aliases_are_refused_before_anything_is_expanded(client: TestClient) -> None:
+    body = _alias_bomb(5)  # 9**5 = 59,049 copies if expanded
+    assert len(body) < 1500
+    tracemalloc.start()
+    try:
+        r = client.post(
+            "/v1/studies", content=body, headers={**AUTH, "Content-Type": "application/yaml"}
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 422, r.text
+    assert "alias" in r.json()["detail"]
+    assert peak < 8 * 1024**2, peak  # nothing was expanded
+    ok = yaml.safe_dump(job_doc("anchor-free"))
+    r = client.post("/v1/studies", content=ok, headers={**AUTH, "Content-Type": "application/yaml"})
+    assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "ctype"),
+    [
+        ('{"job": ' + "[" * 50_000 + "]" * 50_000 + "}", "application/json"),
+        ("[" * 50_000 + "]" * 50_000, "application/json"),
+        ("job: " + "[" * 50_000 + "]" * 50_000, "application/yaml"),
+        ("a:\n" + "".join(" " * i + "- \n" for i in range(1, 2000)), "application/yaml"),
+        ('{"name": ' + "9" * 6000 + "}", "application/json"),
+        ("name: 2023-99-99\n", "application/yaml"),
+        ("name: " + "9" * 6000 + "\n", "application/yaml"),
+        ("? [a, b]\n: c\n", "application/yaml"),
+        ("\xff\xfe not utf-8", "application/yaml"),
+    ],
+)
+def test_malformed_and_deep_documents_are_4xx_not_500(
+    client: TestClient, body: str, ctype: str
+) -> None:
+    data = body.encode("latin-1") if body.startswith("\xff") else body.encode()
+    r = client.post("/v1/studies", content=data, headers={**AUTH, "Content-Type": ctype})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+
+
+def test_a_huge_string_in_a_job_is_refused(client: TestClient) -> None:
+    r = _post(client, job_doc("big", engine={"env": {"HF_TOKEN": "a" * 200_000}}))
+    assert r.status_code == 422, r.text[:300]
+    assert "aaaa" not in r.text
+
+
+SECRET = "sekrit-column-7f3a"
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("unknown-header.csv", f"{SECRET},b\n1,2\n".encode()),
+        ("header.jsonl", f'{{"format": "{SECRET}", "version": 1}}\n{{"arrival_s": 0}}\n'.encode()),
+        ("bad-row.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n{SECRET},1,1\n".encode()),
+        (
+            "huge-field.csv",
+            b"TIMESTAMP,ContextTokens,GeneratedTokens\n" + b"x" * 300_000 + b",1,1\n",
+        ),
+        ("binary.csv", bytes(range(256)) * 400),
+        ("many-rows.jsonl", b'{"a": 1}\n' * 100_000),
+    ],
+)
+def test_unreadable_traces_are_422_and_their_content_is_never_quoted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, data: bytes
+) -> None:
+    svc = make_service(tmp_path, FakeLauncher(), real_check=True, max_upload_bytes=4 * 1024**2)
+    client = TestClient(create_app(svc), raise_server_exceptions=False)
+    caplog.set_level(logging.DEBUG)
+    doc = {"job": job_doc("tr", trace={"path": "x.csv"}), "trace_upload": _upload(name, data)}
+    r = _post(client, doc)
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    assert SECRET not in r.text and "xxxx" not in r.text
+    assert SECRET not in caplog.text
+
+
+# --- 4. ownership: a team sees, cancels and exports its own studies -----------------------------
+
+
+@pytest.fixture
+def teams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, JobService]:
+    from optimizer.service.auth import hash_token
+
+    monkeypatch.delenv("VLLM_AUTOTUNE_TOKENS", raising=False)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "# team token role\n"
+        "alpha  tok-alpha\n"
+        f"beta   sha256:{hash_token('tok-beta')}\n"
+        f"ops    sha256:{hash_token('tok-admin')}  admin\n"
+    )
+    settings = settings_from_args(
+        {
+            "data_dir": str(tmp_path / "data"),
+            "token_file": str(tokens),
+            "trace_roots": [str(TRACE.parent)],
+        }
+    )
+    store = JobStore(settings.database_url)
+    svc = JobService(
+        settings, store, Scheduler(store, FakeLauncher()), check_plan=lambda _j, _b: None
+    )
+    svc.validator = lambda _rec, _study, _chosen, _base, runs, _policy: ("fake", [])
+    return TestClient(create_app(svc), raise_server_exceptions=False), svc
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_team_sees_cancels_and_exports_only_its_own_studies(
+    teams: tuple[TestClient, JobService],
+) -> None:
+    client, svc = teams
+    alpha, beta, admin = _bearer("tok-alpha"), _bearer("tok-beta"), _bearer("tok-admin")
+    r = _post(client, job_doc("alpha-study"), headers=alpha)
+    assert r.status_code == 201, r.text
+    a_id = r.json()["id"]
+    b_id = _post(client, job_doc("beta-study"), headers=beta).json()["id"]
+    fake_study(svc, a_id)
+    svc.store.update(a_id, progress={"storage_ready": True})
+
+    assert [s["id"] for s in client.get("/v1/studies", headers=alpha).json()] == [a_id]
+    assert [s["id"] for s in client.get("/v1/studies", headers=beta).json()] == [b_id]
+    assert {s["id"] for s in client.get("/v1/studies", headers=admin).json()} == {a_id, b_id}
+    for url, method in (
+        (f"/v1/studies/{a_id}", "get"),
+        (f"/v1/studies/{a_id}/trials/0", "get"),
+        (f"/v1/studies/{a_id}/export?format=vllm-config", "post"),
+        (f"/v1/studies/{a_id}/cancel", "post"),
+    ):
+        r = client.request(method, url, headers=beta)
+        assert r.status_code == 404, (url, r.status_code, r.text)
+        assert client.request(method, url, headers=admin).status_code == 200, url
+    assert client.get(f"/v1/studies/{a_id}", headers=alpha).json()["owner"] == "alpha"
+    assert svc.get(b_id).state == "queued"  # beta's own study was never touched by alpha
+
+
+def test_tokens_are_kept_as_digests_with_their_team(tmp_path: Path) -> None:
+    from optimizer.service.auth import hash_token
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alpha sha256:{hash_token('tok-alpha')}\n")
+    settings = settings_from_args({"data_dir": str(tmp_path / "d"), "token_file": str(tokens)})
+    assert "tok-alpha" not in repr(settings)
+    assert [(e.team, e.admin) for e in settings.tokens] == [("alpha", False)]
+
+
+# --- export refuses what the service would refuse ---------------------------------------------
+
+
+def test_export_refuses_a_study_whose_trials_load_code(
+    client: TestClient, service: JobService
+) -> None:
+    """A study stored before the allow-list (or a trial whose args were altered) is not exported:
+    its plugin flag would run the code wherever the export is deployed."""
+    sid = _post(client, job_doc("old")).json()["id"]
+    study = fake_study(service, sid)
+    service.store.update(sid, progress={"storage_ready": True})
+    import optuna
+
+    study.add_trial(
+        optuna.trial.create_trial(
+            values=[10.0, 1.0, 900.0],
+            user_attrs={
+                "engine_args": json.dumps({"max-num-seqs": 8, "tool-parser-plugin": "/x/p.py"}),
+                "status": "complete",
+            },
+            constraints={"p95_ttft_ms<=60000": -1.0},
+        )
+    )
+    for fmt in ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve"):
+        r = client.post(f"/v1/studies/{sid}/export?format={fmt}&trial=2", headers=AUTH)
+        assert r.status_code == 422, (fmt, r.status_code, r.text[:300])
+        assert "tool-parser-plugin" in r.json()["detail"]
+        r = client.post(
+            f"/v1/studies/{sid}/export?format={fmt}&trial=2&validate=true", headers=AUTH
+        )
+        assert r.status_code == 422, (fmt, r.status_code)
+    # a stored env the allow-list refuses is refused too
+    rec = service.get(sid)
+    job = {**rec.job, "engine": {**rec.job["engine"], "env": {"VLLM_PLUGINS": "evil"}}}
+    service.store.update(sid, job=json.dumps(job))
+    r = client.post(f"/v1/studies/{sid}/export?format=vllm-cli&trial=1", headers=AUTH)
+    assert r.status_code == 422 and "VLLM_PLUGINS" in r.json()["detail"], r.text[:300]
+
+
+# --- 5. Ray bound to the operator's address ---------------------------------------------------
+
+
+def test_a_local_ray_is_started_on_the_address_the_operator_chose(
+    monkeypatch: pytest.MonkeyPatch, service: JobService
+) -> None:
+    import ray
+    from ray import serve
+
+    from optimizer import api
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(serve, "start", lambda **kw: seen.update(serve=kw))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "build_app", lambda _s: None)
+    api.run_service(service.settings, host="127.0.0.1", port=8123)
+    assert seen["_node_ip_address"] == "127.0.0.1"
+    assert seen["dashboard_host"] == "127.0.0.1"
+    assert seen["serve"]["http_options"]["host"] == "127.0.0.1"
