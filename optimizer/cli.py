@@ -516,7 +516,15 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             text = f"[cyan]trial {ev.number}[/] {r.status.value}"
             if r.failure_class:
                 text += f" ({r.failure_class.value})"
-            if s.get("completed"):
+            cap = r.capacity
+            if cap:
+                text += (
+                    f": capacity {cap.get('rps', 0):.3g} req/s (rate x{cap.get('scale', 0):.3g}, "
+                    f"{len(cap.get('steps') or [])} steps"
+                    + (f"; above it {cap['broke_first']} broke" if cap.get("broke_first") else "")
+                    + ")"
+                )
+            elif s.get("completed"):
                 text += (
                     f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
                     f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
@@ -551,6 +559,19 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     finally:
         runner.close()
     console.print(front_table(study))
+    from optimizer.analysis.capacity import capacity_answer
+
+    job_cap = plan.job.capacity
+    _print_capacity(
+        capacity_answer(
+            study,
+            peak_rps=ns.peak_rps if ns.peak_rps is not None else job_cap.peak_rps,
+            gpu_hour_price=(
+                ns.gpu_hour_price if ns.gpu_hour_price is not None else job_cap.gpu_hour_price
+            ),
+            cpu_build=plan.context.cpu_build,
+        )
+    )
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
 
@@ -578,13 +599,27 @@ def _tracker_for(plan: Any, ns: argparse.Namespace) -> Any:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
-
+    from optimizer.analysis.capacity import answer_for_plan, study_json
     from optimizer.report import front_table, status_table
 
-    _plan, study = _load_study_dir(Path(ns.dir))
+    plan, study = _load_study_dir(Path(ns.dir))
+    answer = answer_for_plan(study, plan, peak_rps=ns.peak_rps, gpu_hour_price=ns.gpu_hour_price)
+    if ns.json:
+        print(json.dumps(study_json(study, plan, answer), indent=2, default=str))
+        return 0
     console.print(status_table(study))
     console.print(front_table(study))
+    _print_capacity(answer)
     return 0
+
+
+def _print_capacity(answer: Any) -> None:
+    """The capacity answer under the tables (capacity studies only)."""
+    if answer is None:
+        return
+    console.print("[bold]Capacity at SLO[/] (how much of this traffic one server carries)")
+    for line in answer.lines():
+        console.print(f"  {line}")
 
 
 def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
@@ -621,6 +656,13 @@ def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
     return plan, study
+
+
+def _capacity_line(study: Any, saved: dict[str, Any], number: int) -> str:
+    from optimizer.analysis.capacity import answer_for_plan
+
+    answer = answer_for_plan(study, saved)
+    return answer.export_line(number) if answer is not None else ""
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
@@ -726,6 +768,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         gpus=int(args.get("tensor-parallel-size", 1) or 1)
         * int(args.get("pipeline-parallel-size", 1) or 1),
         env=env,
+        capacity=_capacity_line(study, saved, chosen.number),
     )
     unknown: list[str] = []
     if ns.format == "ray-serve":
@@ -800,6 +843,23 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
 
 
 # --- wiring -----------------------------------------------------------------------------------
+
+
+def _add_capacity_pricing(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--peak-rps",
+        type=float,
+        default=None,
+        help="capacity studies: peak request rate to provision for (GPUs needed at the "
+        "baseline and the winner); default: the job's capacity.peak_rps",
+    )
+    p.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        default=None,
+        help="capacity studies: price of a GPU-hour, for the cost per million output tokens; "
+        "default: the job's capacity.gpu_hour_price",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -916,6 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ray: one actor per trial pinned to its GPUs (default); local: in-process",
     )
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    _add_capacity_pricing(p)
     p.set_defaults(func=cmd_tune)
 
     from optimizer.export import FORMATS, POLICIES
@@ -950,6 +1011,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
     p.add_argument("dir")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON document: every trial, the front, capacity"
+    )
+    _add_capacity_pricing(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser(

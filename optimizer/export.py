@@ -390,6 +390,8 @@ class ExportContext:
         gain: One line: the measured gain and its range.
         gpus: GPUs one server needs.
         env: Environment to carry into the deployment (secrets excluded).
+        capacity: Capacity studies: how much of the trace this configuration carried within
+            the SLOs, beside the baseline (``CapacityAnswer.export_line``).
     """
 
     study: str
@@ -402,6 +404,7 @@ class ExportContext:
     gain: str
     gpus: int = 1
     env: dict[str, str] = field(default_factory=dict)
+    capacity: str = ""
 
     def header(self, comment: str = "#") -> str:
         lines = [
@@ -410,6 +413,8 @@ class ExportContext:
             f"Trace: {self.trace}",
             f"Measured: {self.gain}",
         ]
+        if self.capacity:
+            lines.append(f"Capacity at SLO: {self.capacity}")
         return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
 
     def deploy_args(self) -> dict[str, Any]:

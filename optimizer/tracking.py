@@ -623,6 +623,29 @@ def _latency_cdf(records_path: Path, out: Path) -> bool:
     return True
 
 
+def _capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
+    """report.md's capacity section (capacity studies only): the answer and every trial."""
+    from optimizer.analysis.capacity import answer_for_plan
+
+    answer = answer_for_plan(study, plan)
+    if answer is None:
+        return []
+    lines = ["", "## Capacity at SLO", ""]
+    lines += [f"- {line}" for line in answer.lines()]
+    lines += [
+        "",
+        "| trial | capacity req/s | output tok/s | rate scale | bracket | steps | broke first |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in answer.trials:
+        label = f"{c.number} (baseline)" if answer.baseline and c is answer.baseline else c.number
+        lines.append(
+            f"| {label} | {c.rps:.3g} | {c.output_tps:.4g} | {c.scale:.3g} | {c.bracket} | "
+            f"{c.steps} | {c.broke_first or '-'} |"
+        )
+    return lines
+
+
 def _report_md(
     study: optuna.Study,
     doc: list[dict[str, Any]],
@@ -681,6 +704,7 @@ def _report_md(
         lines.append("| " + " | ".join([label, *cells, slo, changed]) + " |")
     if not any(not r["baseline"] for r in doc):
         lines += ["", "No feasible configuration beyond the baseline yet."]
+    lines += _capacity_section(study, plan)
     winners = [r for r in doc if not r["baseline"]]
     if winners:
         lines += ["", "## What the winners changed", ""]
@@ -1168,6 +1192,20 @@ class _Syncer:
         if metrics:
             self.parent.metrics.update({m.key: m.value for m in metrics})
 
+    def _capacity_metrics(self, study: optuna.Study, plan: dict[str, Any]) -> None:
+        """Parent-run metrics of a capacity study: baseline and best capacity, the gain, ..."""
+        from optimizer.analysis.capacity import answer_for_plan
+
+        assert self.parent is not None
+        answer = answer_for_plan(study, plan)
+        if answer is None:
+            return
+        ts = int(time.time() * 1000)
+        metrics = [Metric(k, v, ts, 0) for k, v in answer.metrics().items()]
+        if metrics:
+            self.client.log_batch(self.parent.run_id, metrics=metrics)
+            self.parent.metrics.update({m.key: m.value for m in metrics})
+
     def _parent_artifacts(self, study: optuna.Study, front: set[int]) -> None:
         assert self.parent is not None
         doc = _front_doc(study)
@@ -1190,6 +1228,7 @@ class _Syncer:
                 json.dumps(importances, indent=2, default=str) + "\n"
             )
             (root / "report.md").write_text(report)
+            self._capacity_metrics(study, plan)
             if plan:
                 for key in ("storage",):
                     if isinstance(plan.get(key), str):

@@ -25,7 +25,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from optimizer.types import RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
 from optimizer.workload.shaping import scale_rate
+from optimizer.workload.stats import largest_burst
 
 __all__ = [
     "ClientCouldNotKeepUp",
@@ -93,17 +93,6 @@ def early_stop_check(
     return check
 
 
-def largest_burst(trace: Trace) -> tuple[float, int, int]:
-    """(arrival, requests, prompt tokens) of the largest same-instant group, by tokens."""
-    best = (0.0, 0, 0)
-    for t, group in groupby(trace.requests, key=lambda r: r.arrival_s):
-        reqs = list(group)
-        tokens = sum(r.input_tokens for r in reqs)
-        if tokens > best[2]:
-            best = (t, len(reqs), tokens)
-    return best
-
-
 def slo_floors(trace: Trace, records: Sequence[RequestRecord]) -> dict[str, float]:
     """What the trace and the measured server make impossible, in numbers.
 
@@ -130,7 +119,8 @@ def slo_floors(trace: Trace, records: Sequence[RequestRecord]) -> dict[str, floa
         if r.output_tokens > 1 and r.first_token_s is not None:
             last = r.chunk_times_s[-1] if r.chunk_times_s else r.end_s
             tpots.append((last - r.first_token_s) / (r.output_tokens - 1) * 1000.0)
-    _t, n, tokens = largest_burst(trace)
+    burst = largest_burst(trace)
+    n, tokens = burst.requests, burst.prompt_tokens
     out: dict[str, float] = {"burst_prompt_tokens": float(tokens), "burst_requests": float(n)}
     if rates:
         rate = max(rates)

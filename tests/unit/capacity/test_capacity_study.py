@@ -1,0 +1,254 @@
+"""Capacity studies end to end with a FAKE runner (no vLLM): the capacity of each trial comes
+from the real rate search over a fake server model, and the study, the answer, `show --json`,
+report.md and the export header read it back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from objectives import FAILED_CONSTRAINT
+from optimizer import cli
+from optimizer.analysis.capacity import answer_for_plan, capacity_answer
+from optimizer.capacity.search import StepOutcome, search_capacity
+from optimizer.capacity.trial import CAPACITY_KEYS, capacity_constraints, capacity_doc
+from optimizer.config import load_job
+from optimizer.study import StudyDriver, prepare
+from optimizer.trial_view import TrialView
+from optimizer.types import TrialResult, TrialSpec, TrialStatus
+
+REPO = Path(__file__).resolve().parents[3]
+SLOS = ["p95_ttft_ms<=500", "p95_tpot_ms<=50"]
+
+
+class FakeHandle:
+    def __init__(self, result: TrialResult) -> None:
+        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
+        self.future.set_result(result)
+
+
+def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
+    """A capacity trial on a FAKE server whose TTFT margin is scale / capacity - 1."""
+    assert spec.capacity is not None
+
+    def measure(scale: float, attempt: int) -> StepOutcome:
+        ttft = 500.0 * scale / capacity_scale if capacity_scale > 0 else 5000.0
+        summary = {"p95_ttft_ms": ttft, "p95_tpot_ms": 20.0, "completed": 50.0}
+        margins = {SLOS[0]: ttft / 500.0 - 1.0, SLOS[1]: 20.0 / 50.0 - 1.0}
+        stopped = margins[SLOS[0]] > 1.0  # far over: the replay would stop early
+        return StepOutcome(
+            scale,
+            margins,
+            stopped_early=stopped,
+            reason="ttft" if margins[SLOS[0]] > 0 else "",
+            summary=summary,
+            detail={"step": 0, "offered_rps": 2.0 * scale, "partial": stopped},
+        )
+
+    search = search_capacity(measure, spec.capacity)
+    best = search.best_step()
+    rps = float(best.detail["offered_rps"]) if best else 0.0
+    summary = dict((best or search.lowest_step()).summary)  # type: ignore[union-attr]
+    summary.update(
+        capacity_scale=search.scale,
+        capacity_rps=rps,
+        capacity_output_tps=rps * 40.0,
+        nominal_p95_ttft_ms=math.nan,
+        nominal_p95_tpot_ms=math.nan,
+    )
+    floors = (
+        {}
+        if best
+        else {
+            "burst_prompt_tokens": 9000.0,
+            "burst_requests": 3.0,
+            "prefill_tokens_per_s": 6000.0,
+            "ttft_floor_ms": 1500.0,
+            "tpot_floor_ms": 20.0,
+        }
+    )
+    doc = capacity_doc(search, spec, isolation="drained, fresh prompts", floors=floors)
+    return TrialResult(
+        number=spec.number,
+        status=TrialStatus.COMPLETE,
+        summary=summary,
+        startup_s=1.0,
+        replay_s=2.0,
+        capacity=doc,
+    )
+
+
+class FakeCapacityRunner:
+    """FAKE runner: max-num-seqs decides the fake server's capacity (16 serves nothing)."""
+
+    capacity = 1
+
+    def __init__(self, zero_everywhere: bool = False) -> None:
+        self.specs: list[TrialSpec] = []
+        self.zero_everywhere = zero_everywhere
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        self.specs.append(spec)
+        seqs = int(spec.engine.args.get("max-num-seqs", 128))
+        cap = 0.0 if self.zero_everywhere or seqs == 16 else {128: 0.8, 64: 1.3, 32: 2.1}[seqs]
+        return FakeHandle(fake_capacity_result(spec, cap))
+
+    def cancel(self, handle: FakeHandle) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
+    job = {
+        "name": "cap",
+        "model": {"path": str(tmp_path / "model"), "make": "tiny"},
+        "engine": {"args": {"max-model-len": 2048}},
+        "trace": {
+            "path": str(REPO / "examples" / "traces" / "azure2023_code_600.csv"),
+            "shaping": {"window_s": [0, 40], "max_model_len": 2048, "max_output_tokens": 32},
+            "warmup_requests": 2,
+        },
+        "search_space": {
+            "name": "t",
+            "params": {"max-num-seqs": {"type": "categorical", "choices": [16, 32, 64]}},
+        },
+        "objectives": {"preset": "capacity", "slos": SLOS},
+        "capacity": {
+            "min_scale": 0.125,
+            "max_scale": 8,
+            "tolerance": 0.05,
+            "max_steps": 12,
+            "noise": 0.0,
+            "peak_rps": 10,
+            "gpu_hour_price": 4.0,
+        },
+        "sampler": {"name": "random", "seed": 1},
+        "enqueue": [{"max-num-seqs": 32}, {"max-num-seqs": 16}, {"max-num-seqs": 64}],
+        "trials": 4,
+        "out": str(tmp_path / "out"),
+    }
+    job.update(over)
+    return job
+
+
+def _run(tmp_path: Path, runner: Any, **over: Any) -> tuple[Any, Any]:
+    job, base = load_job(_job(tmp_path, **over), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    study = StudyDriver(plan, runner, heartbeat_interval_s=1, grace_period_s=2).run()
+    return plan, study
+
+
+def test_capacity_study_tells_each_trial_its_capacity(tmp_path: Path) -> None:
+    runner = FakeCapacityRunner()
+    _plan, study = _run(tmp_path, runner)
+    # Every trial was a capacity search with the job's settings; its server offers the
+    # prefix-cache reset endpoint.
+    assert all(s.capacity is not None and s.capacity.min_scale == 0.125 for s in runner.specs)
+    assert all(s.engine.env.get("VLLM_SERVER_DEV_MODE") == "1" for s in runner.specs)
+    trials = study.get_trials()
+    caps = {t.number: t.values[0] for t in trials}
+    # 2 req/s at scale 1: capacity = 2 x the fake server's capacity scale (within 5 %).
+    assert caps[0] == pytest.approx(1.6, rel=0.06)  # baseline, max-num-seqs 128
+    assert caps[1] == pytest.approx(4.2, rel=0.06)
+    assert caps[2] == 0.0  # serves nothing: capacity 0, not a failure
+    assert caps[3] == pytest.approx(2.6, rel=0.06)
+    # Capacity > 0: feasible, the margins of the passing step; capacity 0: infeasible.
+    assert all(v <= 0 for v in trials[1].constraints.values())
+    assert trials[2].constraints[SLOS[0]] > 0
+    assert [t.number for t in study.best_trials] == [1]
+    for t in trials:
+        assert set(CAPACITY_KEYS) <= set(t.user_attrs["summary"])
+        assert TrialView(t).capacity is not None
+
+
+def test_capacity_answer_in_a_users_terms(tmp_path: Path) -> None:
+    _plan, study = _run(tmp_path, FakeCapacityRunner())
+    answer = capacity_answer(study, peak_rps=10, gpu_hour_price=4.0)
+    assert answer is not None
+    assert answer.baseline is not None and answer.baseline.number == 0
+    assert answer.best is not None and answer.best.number == 1
+    assert answer.gain == pytest.approx(answer.best.rps / answer.baseline.rps)
+    assert answer.gain == pytest.approx(4.2 / 1.6, rel=0.1)
+    # ceil(10 / capacity) servers of one GPU each.
+    assert answer.gpus["baseline"] == math.ceil(10 / answer.baseline.rps)
+    assert answer.gpus["best"] == math.ceil(10 / answer.best.rps)
+    # 4.0 per GPU-hour over output tokens/s x 3600, per million tokens.
+    expected = 4.0 / (answer.best.output_tps * 3600) * 1e6
+    assert answer.cost_per_m_output_tokens["best"] == pytest.approx(expected)
+    text = "\n".join(answer.lines())
+    assert "capacity gain over the baseline: x" in text and "GPUs" in text
+    metrics = answer.metrics()
+    assert metrics["capacity_gain"] == pytest.approx(answer.gain)
+    assert metrics["best_capacity_rps"] == pytest.approx(answer.best.rps)
+    # The baseline carried something, so no SLO-floor explanation is due.
+    assert answer.unmet == ()
+
+
+def test_slos_nobody_meets_are_explained_with_numbers(tmp_path: Path) -> None:
+    _plan, study = _run(tmp_path, FakeCapacityRunner(zero_everywhere=True))
+    answer = capacity_answer(study)
+    assert answer is not None and answer.best is not None and answer.best.rps == 0
+    assert answer.gain is None
+    assert answer.unmet, "every trial carried nothing: each must be explained"
+    first = answer.unmet[0]
+    assert "p95_ttft_ms<=500 missed even at x0.125" in first
+    assert "9,000 prompt tokens" in first and "6,000 tokens/s" in first
+    assert "1,500 ms" in first and "spread_ticks" in first
+    # No partial margins reach the sampler: the lowest step was stopped early.
+    assert study.get_trials()[0].constraints[SLOS[0]] == FAILED_CONSTRAINT
+
+
+def test_capacity_constraints_rules() -> None:
+    steps = [
+        {"scale": 1.0, "passed": True, "stopped_early": False, "margins": {"a": -0.2, "b": -0.5}},
+        {"scale": 2.0, "passed": False, "stopped_early": True, "margins": {"a": 3.0, "b": 0.1}},
+    ]
+    assert capacity_constraints({"scale": 1.0, "steps": steps}, ["a", "b"]) == [-0.2, -0.5]
+    zero_partial = [{**steps[1], "scale": 0.5}]
+    assert capacity_constraints({"scale": 0.0, "steps": zero_partial}, ["a", "b"]) == [
+        FAILED_CONSTRAINT,
+        FAILED_CONSTRAINT,
+    ]
+    zero_full = [
+        {"scale": 0.5, "passed": False, "stopped_early": False, "margins": {"a": 0.4, "b": -0.1}}
+    ]
+    assert capacity_constraints({"scale": 0.0, "steps": zero_full}, ["a", "b"]) == [0.4, -0.1]
+    assert capacity_constraints({"scale": 0.0, "steps": []}, ["a"]) == [FAILED_CONSTRAINT]
+
+
+def test_show_json_report_and_export_header_carry_the_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan, study = _run(tmp_path, FakeCapacityRunner())
+    assert cli.main(["show", str(plan.out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"]["best"]["number"] == 1
+    # Tuned here on the CPU build: servers, not GPUs, are what a peak needs.
+    assert doc["capacity"]["cpu_build"] is True
+    assert doc["capacity"]["servers"]["best"] >= 1 and doc["capacity"]["gpus"] == {}
+    by_number = {t["number"]: t for t in doc["trials"]}
+    assert by_number[1]["capacity"]["rps"] == pytest.approx(study.get_trials()[1].values[0])
+    assert by_number[1]["slos"] == {SLOS[0]: True, SLOS[1]: True}
+    assert by_number[2]["slos"][SLOS[0]] is False
+    assert doc["front"] == [1]
+    # The console form says it in words.
+    assert cli.main(["show", str(plan.out), "--peak-rps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "Capacity at SLO" in out and "for a peak of 100 req/s" in out and "servers" in out
+    # report.md and the export header.
+    from optimizer.tracking import _capacity_section
+
+    saved = json.loads((plan.out / "plan.json").read_text())
+    section = "\n".join(_capacity_section(study, saved))
+    assert "## Capacity at SLO" in section and "| 1 |" in section
+    answer = answer_for_plan(study, saved)
+    assert answer is not None
+    line = answer.export_line(1)
+    assert "req/s" in line and "baseline" in line and "(x" in line

@@ -1,0 +1,140 @@
+"""StepRunner with a FAKE replay and FAKE /metrics (no server): scaling, fresh prompts,
+isolation between steps, and what an early stop's unsent requests count as."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from objectives import parse_slo, summarize
+from optimizer.capacity.measure import (
+    ClientCouldNotKeepUp,
+    StepRunner,
+    measured_records,
+    slo_floors,
+)
+from optimizer.types import RequestRecord, Trace, TraceRequest
+from optimizer.workload.prompts import TokenRange
+from optimizer.workload.replay import ReplayResult
+
+_STEADY = [TraceRequest(arrival_s=float(i), input_tokens=100, output_tokens=5) for i in range(10)]
+_BURST = [
+    TraceRequest(arrival_s=10.0, input_tokens=3000, output_tokens=5),
+    TraceRequest(arrival_s=10.0, input_tokens=2000, output_tokens=5),
+]
+TRACE = Trace(requests=(*_STEADY, *_BURST))
+
+
+def _record(i: int, sched: float, *, error: str | None = None, ttft: float = 0.1) -> RequestRecord:
+    if error:
+        return RequestRecord(i, sched, sched, None, (), sched, 100, 0, error=error)
+    chunks = tuple(sched + ttft + 0.02 * k for k in range(5))
+    return RequestRecord(i, sched, sched, chunks[0], chunks, chunks[-1], 100, 5)
+
+
+class FakeReplay:
+    """FAKE replay: serves every request in 0.1 s, or stops early at scale > 1 after half."""
+
+    def __init__(self, keep_schedule: bool = True) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.keep_schedule = keep_schedule
+
+    def __call__(self, trace: Trace, url: str, model: str, **kw: Any) -> ReplayResult:
+        self.calls.append({"trace": trace, **kw})
+        t0 = trace.requests[0].arrival_s
+        sched = [r.arrival_s - t0 for r in trace.requests]
+        early = kw.get("stop_check") is not None and sched[-1] < 10.0  # scale > 1
+        records = []
+        for i, s in enumerate(sched):
+            if early and i >= len(sched) // 2:
+                records.append(_record(i, s, error="not sent: early stop: SLO out of reach: x"))
+            else:
+                records.append(_record(i, s, ttft=0.1 if not early else 2.0))
+        return ReplayResult(
+            records=tuple(records),
+            duration_s=sched[-1] + 1,
+            p99_send_lag_ms=1.0,
+            max_send_lag_ms=1.0,
+            max_send_lag_bound_ms=10.0,
+            peak_in_flight=3,
+            schedule_kept=self.keep_schedule,
+            stopped_early=early,
+            stop_reason="SLO out of reach: p95_ttft_ms<=500 can no longer be met" if early else "",
+            message="" if self.keep_schedule else "lag",
+        )
+
+
+def _runner(replay: FakeReplay, tmp_path: Path, **kw: Any) -> StepRunner:
+    busy = iter([{"vllm:num_requests_running": 2.0}] + [{"vllm:num_requests_running": 0.0}] * 99)
+    return StepRunner(
+        url="http://127.0.0.1:9",  # nothing listens: the prefix-cache reset is not offered
+        model="m",
+        trace=TRACE,
+        slos=[parse_slo("p95_ttft_ms<=500")],
+        vocab=TokenRange(10, 1000),
+        seed=7,
+        metrics=lambda: next(busy),
+        records_dir=tmp_path / "steps",
+        replay=replay,
+        **kw,
+    )
+
+
+def test_steps_rescale_the_trace_with_fresh_prompts_and_isolate(tmp_path: Path) -> None:
+    replay = FakeReplay()
+    runner = _runner(replay, tmp_path, full_at_or_below=0.5)
+    ok = runner(1.0, 0)
+    stopped = runner(2.0, 0)
+    low = runner(0.5, 0)
+    scales = [c["trace"].requests[-1].arrival_s for c in replay.calls]
+    assert scales == [10.0, 5.0, 20.0]  # arrival times divided by the scale, bursts kept
+    seeds = [c["seed"] for c in replay.calls]
+    assert len(set(seeds)) == 3  # fresh prompts per step
+    assert replay.calls[2]["stop_check"] is None  # at the lowest scale: a full window
+    assert ok.passed and not ok.stopped_early
+    assert stopped.stopped_early and not stopped.passed and stopped.detail["partial"]
+    # The requests the early stop never sent are not the server's errors.
+    assert stopped.summary["error_rate"] == 0.0
+    assert stopped.summary["completed"] == 6
+    assert low.detail["offered_rps"] == pytest.approx(ok.detail["offered_rps"] / 2)
+    assert runner.describe_isolation() == "drained, fresh prompts"
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == [
+        "step-00.jsonl.gz",
+        "step-01.jsonl.gz",
+        "step-02.jsonl.gz",
+    ]
+
+
+def test_a_client_that_cannot_keep_up_twice_is_not_a_measurement(tmp_path: Path) -> None:
+    replay = FakeReplay(keep_schedule=False)
+    runner = _runner(replay, tmp_path)
+    with pytest.raises(ClientCouldNotKeepUp):
+        runner(1.0, 0)
+    assert len(replay.calls) == 2
+    assert replay.calls[0]["seed"] != replay.calls[1]["seed"]
+
+
+def test_measured_records_drop_only_what_an_early_stop_cut() -> None:
+    records = [
+        _record(0, 0.0),
+        _record(1, 1.0, error="not sent: early stop: SLO out of reach: x"),
+        _record(2, 1.0, error="cancelled: early stop: SLO out of reach: x"),
+        _record(3, 1.0, error="HTTP 500: boom"),
+        _record(4, 1.0, error="not sent: max duration reached"),
+    ]
+    kept = measured_records(records)
+    assert [r.index for r in kept] == [0, 3, 4]
+    assert summarize(kept)["error_rate"] == pytest.approx(2 / 3)
+
+
+def test_slo_floors_from_the_trace_and_the_measured_server() -> None:
+    recs = [_record(0, 0.0, ttft=0.05), _record(1, 1.0, ttft=0.1)]
+    floors = slo_floors(TRACE, recs)
+    # The largest same-instant arrival: 2 requests, 5000 prompt tokens at t=10.
+    assert floors["burst_requests"] == 2 and floors["burst_prompt_tokens"] == 5000
+    assert floors["prefill_tokens_per_s"] == pytest.approx(100 / 0.05)
+    assert floors["ttft_floor_ms"] == pytest.approx(5000 / 2000 * 1000)
+    assert floors["tpot_floor_ms"] == pytest.approx(20.0)
+    assert slo_floors(TRACE, []) == {}
