@@ -14,7 +14,8 @@
 # What comes back under $OUT (at most 8 files): tune.log, summary.json (one record per trial),
 # show.txt (status and Pareto tables), study.tar.gz (the whole study folder: Optuna SQLite
 # storage, plan.json, every trial's result.json, engine.log and records), gpu-mem.csv (nvidia-smi
-# every second: memory and utilization across trials), env.txt, ray-logs.tar.gz.
+# every second, per GPU index: memory and utilization across trials), env.txt, ray-logs.tar.gz,
+# show.json (`show --json`: every trial, the front, the capacity answer).
 set -uo pipefail
 MODE="${1:-run}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -56,7 +57,7 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -l 1 \
+nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,noheader -l 1 \
   > "$OUT/gpu-mem.csv" 2>/dev/null &
 SMI=$!
 trap 'kill $SMI 2>/dev/null' EXIT
@@ -78,6 +79,7 @@ rc=${PIPESTATUS[0]}
 echo "== tune exited $rc after $(( $(date +%s) - t0 )) s"
 python3 benchmarks/study_summary.py "$STUDY" > "$OUT/summary.json" 2>> "$OUT/tune.log"
 python3 -m optimizer.cli show "$STUDY" > "$OUT/show.txt" 2>&1
+python3 -m optimizer.cli show "$STUDY" --json > "$OUT/show.json" 2>> "$OUT/tune.log"
 tar -C "$(dirname "$STUDY")" -czf "$OUT/study.tar.gz" "$(basename "$STUDY")"
 tar -C /tmp/ray -czf "$OUT/ray-logs.tar.gz" session_latest/logs 2>/dev/null || true
 cat "$OUT/show.txt"

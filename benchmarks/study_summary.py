@@ -70,6 +70,9 @@ def summarize_study(folder: Path) -> dict[str, Any]:
                 and bool(t.constraints)
                 and all(c <= 0 for c in t.constraints.values()),
                 "on_front": t.number in front,
+                "capacity": ua.get("capacity"),
+                "started": t.datetime_start.isoformat() if t.datetime_start else None,
+                "completed": t.datetime_complete.isoformat() if t.datetime_complete else None,
             }
         )
     return {
