@@ -197,10 +197,14 @@ def _cap(c: TrialCapacity) -> str:
 def explain_unmet(view: TrialView, cap: CapacityView) -> list[str]:
     """Why a configuration met the SLOs at no scale tried, with numbers, and what would.
 
-    Uses the floors measured at the lowest scale: the trace's largest same-instant burst over
-    the fastest prefill the server showed bounds TTFT from below; the lightest decode step
-    seen bounds TPOT from below.
+    Uses what was measured at the lowest scale: the trace's largest same-instant burst over the
+    fastest prefill the server showed bounds TTFT from below, and the lightest decode step
+    seen bounds TPOT from below. A floor above the threshold means no scheduling can meet the
+    SLO on this server; a floor below it means the misses come from load (queueing, prefills
+    sharing decode steps), which the engine's batch limits or a lower rate can change.
     """
+    from objectives import parse_slo
+
     low = cap.lowest_step()
     if low is None:
         return []
@@ -209,28 +213,53 @@ def explain_unmet(view: TrialView, cap: CapacityView) -> list[str]:
     f = cap.floors
     out = []
     scale = float(low["scale"])
-    for slo in missed:
-        metric = slo.split("<")[0].split(">")[0]
-        head = f"trial {view.number}: {slo} missed even at x{scale:g} of the trace's rate"
-        if "ttft" in metric and not math.isnan(f.get("ttft_floor_ms", math.nan)):
-            out.append(
-                f"{head}: the trace's largest same-instant arrival is "
-                f"{f.get('burst_requests', math.nan):.0f} requests with "
-                f"{f.get('burst_prompt_tokens', math.nan):,.0f} prompt tokens, and this server "
-                f"prefilled at most {f['prefill_tokens_per_s']:,.0f} tokens/s, so the last of "
-                f"them waits at least {f['ttft_floor_ms']:,.0f} ms. To meet it: a TTFT SLO of "
-                f"at least {f['ttft_floor_ms']:,.0f} ms, more GPUs per server "
-                "(tensor-parallel-size), or spreading the trace's coarse timestamps "
-                "(trace.shaping.spread_ticks)."
+    for text in missed:
+        slo = parse_slo(text)
+        margin = margins.get(text)
+        seen = (
+            f" (measured {slo.threshold * (1 + margin):,.0f} ms)"
+            if margin is not None and slo.metric.endswith("_ms")
+            else ""
+        )
+        head = f"trial {view.number}: {slo} missed even at x{scale:g} of the trace's rate{seen}"
+        ttft_floor = f.get("ttft_floor_ms", math.nan)
+        tpot_floor = f.get("tpot_floor_ms", math.nan)
+        if "ttft" in slo.metric and not math.isnan(ttft_floor):
+            burst = (
+                f"the trace's largest same-instant arrival is {f.get('burst_requests', 0):.0f} "
+                f"requests with {f.get('burst_prompt_tokens', 0):,.0f} prompt tokens, and this "
+                f"server prefilled at most {f['prefill_tokens_per_s']:,.0f} tokens/s, so the "
+                f"last of them waits at least {ttft_floor:,.0f} ms"
             )
-        elif "tpot" in metric and not math.isnan(f.get("tpot_floor_ms", math.nan)):
-            out.append(
-                f"{head}: the lightest decode step this server showed was "
-                f"{f['tpot_floor_ms']:,.1f} ms per token. To meet it: a TPOT SLO of at least "
-                f"{f['tpot_floor_ms']:,.1f} ms, a faster server (more GPUs per server, a "
-                "smaller or quantized model), or shorter prefills mixed into decode steps "
-                "(a lower max-num-batched-tokens)."
-            )
+            if ttft_floor > slo.threshold:
+                out.append(
+                    f"{head}: {burst}. No scheduling meets it on this server. To meet it: a TTFT "
+                    f"SLO of at least {ttft_floor:,.0f} ms, more GPUs per server "
+                    "(tensor-parallel-size), or spreading the trace's coarse timestamps "
+                    "(trace.shaping.spread_ticks)."
+                )
+            else:
+                out.append(
+                    f"{head}: {burst}, within the SLO: the misses come from queueing under this "
+                    "load, not from the burst itself. To meet it: a lower min_scale to find "
+                    "where it holds, or batch limits that prefill sooner "
+                    "(max-num-batched-tokens, max-num-seqs)."
+                )
+        elif "tpot" in slo.metric and not math.isnan(tpot_floor):
+            if tpot_floor > slo.threshold:
+                out.append(
+                    f"{head}: the lightest decode step this server showed took "
+                    f"{tpot_floor:,.1f} ms per token. No batch limit meets it on this server. To "
+                    f"meet it: a TPOT SLO of at least {tpot_floor:,.1f} ms, or a faster server "
+                    "(more GPUs per server, a smaller or quantized model)."
+                )
+            else:
+                out.append(
+                    f"{head}, while its lightest decode step took {tpot_floor:,.1f} ms per "
+                    "token: the misses come from prefills sharing decode steps, not from the "
+                    "decode speed. To meet it: a smaller prefill chunk per step "
+                    "(max-num-batched-tokens), which the tuned configurations can show."
+                )
         else:
             out.append(f"{head}.")
     return out

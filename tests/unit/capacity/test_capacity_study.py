@@ -201,6 +201,26 @@ def test_slos_nobody_meets_are_explained_with_numbers(tmp_path: Path) -> None:
     assert "p95_ttft_ms<=500 missed even at x0.125" in first
     assert "9,000 prompt tokens" in first and "6,000 tokens/s" in first
     assert "1,500 ms" in first and "spread_ticks" in first
+    assert "No scheduling meets it" in first  # the floor (1.5 s) is above the 500 ms SLO
+    # A floor below the threshold is not blamed for the miss.
+    from optimizer.analysis.capacity import explain_unmet
+    from optimizer.trial_view import TrialView
+
+    view = TrialView(study.get_trials()[0])
+    assert view.capacity is not None
+    low_floor = view.capacity.__class__(
+        **{
+            **view.capacity.__dict__,
+            "floors": {
+                "burst_prompt_tokens": 900.0,
+                "burst_requests": 1.0,
+                "prefill_tokens_per_s": 9000.0,
+                "ttft_floor_ms": 100.0,
+            },
+        }
+    )
+    text = explain_unmet(view, low_floor)[0]
+    assert "within the SLO: the misses come from queueing" in text
     # No partial margins reach the sampler: the lowest step was stopped early.
     assert study.get_trials()[0].constraints[SLOS[0]] == FAILED_CONSTRAINT
 
