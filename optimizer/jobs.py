@@ -611,7 +611,11 @@ class StudyHost:
 
         runner: Any = None
         try:
+            # A job stored before the service's policy (queued, or resumed after an upgrade)
+            # is held to it too: its flags would otherwise reach a server here.
+            security.check_stored_study(self._job)
             job, base = load_job(self._job, base=Path(self._base))
+            JobService._check_space(job)
             plan = prepare(job, base)
             security.mark_service_study(plan.out, self.job_id)  # a job queued before markers
             capacity = 1 if plan.context.cpu_build else job.parallel

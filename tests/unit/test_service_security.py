@@ -376,6 +376,42 @@ def test_export_refuses_a_study_whose_trials_load_code(
     assert r.status_code == 422 and "VLLM_PLUGINS" in r.json()["detail"], r.text[:300]
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"engine": {"args": {"tool-parser-plugin": "/x/parser.py"}}},
+        {"engine": {"env": {"VLLM_PLUGINS": "parser"}}},
+        {
+            "search_space": {
+                "name": "old",
+                "params": {"chat-template": {"type": "categorical", "choices": ["/x/t.j2"]}},
+            }
+        },
+    ],
+)
+def test_a_job_stored_before_the_policy_fails_at_its_driver_before_any_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, over: dict[str, Any]
+) -> None:
+    """A job queued (or running, then resumed) before an upgrade is held to the policy when its
+    driver starts: it fails naming the flag, and no plan or server is ever made for it."""
+    from optimizer import study
+    from optimizer.jobs import StudyHost
+
+    def started(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("a plan was made for a refused job")
+
+    monkeypatch.setattr(study, "prepare", started)
+    host = StudyHost("0123456789ab", job_doc("old", **over), str(tmp_path), mlflow=False)
+    host._thread.join(60)
+    status = host.status()
+    named = (
+        next(iter(over["engine"].get("args") or over["engine"]["env"]))
+        if "engine" in over
+        else "chat-template"
+    )
+    assert status["state"] == "failed" and named in status["message"], status
+
+
 # --- the command-line export of a folder the service wrote ------------------------------------
 
 
