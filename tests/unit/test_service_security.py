@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -520,10 +521,13 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
 ) -> None:
     import ray
     from ray import serve
+    from ray._private import ray_constants
 
     from optimizer import api
 
     seen: dict[str, Any] = {}
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # restored after the test
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.setattr(serve, "start", lambda **kw: seen.update(serve=kw))
@@ -533,3 +537,13 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
     assert seen["_node_ip_address"] == "127.0.0.1"
     assert seen["dashboard_host"] == "127.0.0.1"
     assert seen["serve"]["http_options"]["host"] == "127.0.0.1"
+    # Ray's single-node mode: it keeps the loopback address (else it replaces it by the
+    # machine's) and its servers listen on it only (tests/integration/test_service.py)
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert ray_constants.ENABLE_RAY_CLUSTER is False
+    # every interface, as the operator asked: Ray's defaults
+    seen.clear()
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    api.run_service(service.settings, host="0.0.0.0", port=8123)
+    assert "_node_ip_address" not in seen and ray_constants.ENABLE_RAY_CLUSTER is True
