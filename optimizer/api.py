@@ -404,6 +404,24 @@ def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
     return deployment.bind(settings)
 
 
+_LOOPBACK = ("127.0.0.1", "::1")
+#: Ray's switch for multi-node clusters (on by default on Linux). Off, Ray's node address is
+#: the loopback one and its servers (GCS, raylet, object manager, workers, agents) listen on
+#: it only; on, Ray replaces a loopback ``_node_ip_address`` by the machine's address and its
+#: gRPC servers listen on every interface.
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _single_node_ray() -> None:
+    """Make the local Ray about to start a loopback-only, single-node one (Ray's own mode on
+    macOS and Windows): for its processes through the environment, and for this one, which
+    has read the setting already."""
+    from ray._private import ray_constants
+
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def run_service(
     settings: ServiceSettings,
     *,
@@ -420,12 +438,12 @@ def run_service(
         if ray_address:
             ray.init(address=ray_address, **kwargs)
         else:
-            # A local cluster on the operator's address: Ray advertises it, the dashboard
-            # (off) and its agent use it. Ray's own gRPC servers still listen on every
-            # interface; their token authentication guards them (deploy/SERVICE.md).
+            # A local cluster on the operator's address (deploy/SERVICE.md, "Limits").
             if host not in ("0.0.0.0", "::"):
                 node_ip = "127.0.0.1" if host == "localhost" else host
                 kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
+                if node_ip in _LOOPBACK:
+                    _single_node_ray()
             ray.init(object_store_memory=256 * 1024**2, **kwargs)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)

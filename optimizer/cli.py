@@ -665,6 +665,37 @@ def _capacity_line(study: Any, saved: dict[str, Any], number: int) -> str:
     return answer.export_line(number) if answer is not None else ""
 
 
+def _check_service_study(
+    folder: Path, saved: dict[str, Any], trials: dict[str, Any], validate: bool
+) -> None:
+    """A study folder the service wrote is exported under the service's policy: its stored job
+    and the trials to render or re-run may not load code (a study stored before the service's
+    allow-lists would otherwise start a server with its plugin flag here).
+
+    Args:
+        trials: label -> the trial to render (``chosen``) or re-run (``baseline``, or None).
+
+    Raises:
+        ConfigError: A flag, variable or ``engine.python`` the service refuses (named).
+    """
+    from optimizer.service import security
+
+    if not security.is_service_study(folder):
+        return  # a local `tune` folder is its user's own
+    labelled = [
+        (f"{label} trial {t.number}'s engine arguments", json.loads(t.user_attrs["engine_args"]))
+        for label, t in trials.items()
+        if t is not None and (validate or label == "chosen")
+    ]
+    try:
+        security.check_stored_study(saved.get("job") or {}, labelled)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{folder}: a study the service wrote is exported under the service's policy; "
+            f"refusing: {exc}"
+        ) from None
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     from optimizer import export as ex
     from optimizer.config import load_job
@@ -682,6 +713,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
     chosen = ex.select_trial(study, policy, trial_number=ns.trial, weights=weights)
     baseline = next(
         (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
+    )
+    _check_service_study(
+        folder, saved, {"chosen": chosen, "baseline": baseline}, not ns.no_validate
     )
     args = json.loads(chosen.user_attrs["engine_args"])
     console.print(

@@ -611,8 +611,13 @@ class StudyHost:
 
         runner: Any = None
         try:
+            # A job stored before the service's policy (queued, or resumed after an upgrade)
+            # is held to it too: its flags would otherwise reach a server here.
+            security.check_stored_study(self._job)
             job, base = load_job(self._job, base=Path(self._base))
+            JobService._check_space(job)
             plan = prepare(job, base)
+            security.mark_service_study(plan.out, self.job_id)  # a job queued before markers
             capacity = 1 if plan.context.cpu_build else job.parallel
             runner = _ClusterLossGuard(
                 RayRunner(capacity=capacity, cpus_per_trial=self._cpus), lambda: self._cancel
@@ -1286,6 +1291,8 @@ class JobService:
         )
         if rec.until is not None and rec.until <= now:
             raise ConfigError("until: the time window has already closed; give a later time")
+        # `vllm-autotune export` on this folder applies the service's policy too
+        security.mark_service_study(Path(rec.out), job_id)
         rec = self.store.add(rec)
         self.scheduler.wake()
         return rec, notes
@@ -1640,10 +1647,7 @@ class JobService:
 
 def _check_stored_job(job: Mapping[str, Any]) -> None:
     """A stored job's engine flags and environment against the service's allow-lists."""
-    engine = job.get("engine") or {}
-    security.check_env(engine.get("env") or {}, "the study's engine.env")
-    for key in ("args", "baseline_args"):
-        security.check_engine_args(engine.get(key) or {}, f"the study's engine.{key}")
+    security.check_stored_study(job)
 
 
 def _prepare_check(job: JobConfig, base: Path) -> None:

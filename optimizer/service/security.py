@@ -18,6 +18,10 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
   :class:`~optimizer.errors.ConfigError` (422) that quotes none of the body.
 - **Paths**: :func:`under` resolves a path (symlinks included) and says whether it lies under
   one of the operator's roots.
+- **Study folders**: the service marks each study folder it creates (:data:`STUDY_MARKER`);
+  :func:`is_service_study` recognises one (marked, or laid out as the service lays them out),
+  and :func:`check_stored_study` refuses what the service would, so ``vllm-autotune export``
+  on the command line applies the same policy to it as the service's own export.
 """
 
 from __future__ import annotations
@@ -41,9 +45,13 @@ __all__ = [
     "MAX_STRING",
     "SERVICE_ENV",
     "SERVICE_FLAGS",
+    "STUDY_MARKER",
     "check_engine_args",
     "check_env",
     "check_space",
+    "check_stored_study",
+    "is_service_study",
+    "mark_service_study",
     "parse_document",
     "under",
 ]
@@ -410,3 +418,58 @@ def under(path: str | Path, roots: Iterable[Path]) -> bool:
     except (OSError, RuntimeError, ValueError):
         return False
     return any(real.is_relative_to(r.resolve()) for r in roots)
+
+
+# --- study folders ----------------------------------------------------------------------------
+
+#: The file the service writes in every study folder it creates.
+STUDY_MARKER = "service-study.json"
+#: A study folder the service creates: ``DATA_DIR/studies/<12 hex digits>``.
+_SERVICE_FOLDER = re.compile(r"[0-9a-f]{12}")
+
+
+def mark_service_study(folder: Path, job_id: str) -> None:
+    """Write :data:`STUDY_MARKER` in ``folder`` (created if missing); idempotent."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / STUDY_MARKER
+    if not marker.exists():
+        doc = {
+            "written_by": "vllm-autotune serve",
+            "job": job_id,
+            "policy": "exports of this folder apply the service's engine-flag and "
+            "environment allow-lists",
+        }
+        marker.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def is_service_study(folder: Path) -> bool:
+    """``folder`` was written by the service: it holds :data:`STUDY_MARKER`, or (a folder the
+    service wrote before it marked them) it is laid out as ``.../studies/<12 hex digits>``."""
+    if (folder / STUDY_MARKER).exists():
+        return True
+    real = folder.resolve()
+    return real.parent.name == "studies" and _SERVICE_FOLDER.fullmatch(real.name) is not None
+
+
+def check_stored_study(
+    job: Mapping[str, Any], trials: Iterable[tuple[str, Mapping[str, Any]]] = ()
+) -> None:
+    """A stored job and trials' engine arguments against the service's policy.
+
+    Args:
+        job: The stored job (as the service or ``plan.json`` keeps it).
+        trials: (label, engine arguments) of each trial that would be rendered or re-run.
+
+    Raises:
+        ConfigError: ``engine.python``, a variable or a flag the service does not accept.
+    """
+    engine = job.get("engine") or {}
+    if engine.get("python"):
+        raise ConfigError(
+            "the study's engine.python: the service runs servers with its own vLLM only"
+        )
+    check_env(engine.get("env") or {}, "the study's engine.env")
+    for key in ("args", "baseline_args"):
+        check_engine_args(engine.get(key) or {}, f"the study's engine.{key}")
+    for label, args in trials:
+        check_engine_args(args, label)

@@ -9,8 +9,12 @@ re-run of trial 1, and the second study's baseline (cancelled)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -309,3 +313,77 @@ def test_studies_run_resume_after_restart_cancel_and_export(
     assert "load-format" not in doc
     r = service.post(f"/v1/studies/{second}/export", params={"format": "vllm-config"})
     assert r.status_code in (409, 422) and "nothing to export" in r.text
+
+
+_LISTENER = """
+import sys
+from optimizer.api import run_service
+from optimizer.jobs import ServiceSettings
+
+settings = ServiceSettings(database_url=f"sqlite:///{sys.argv[1]}/s.db", data_dir=sys.argv[1])
+url = run_service(settings, host="127.0.0.1", port=int(sys.argv[2]))
+from ray._private.authentication import authentication_utils
+print(url, authentication_utils.is_token_auth_enabled(), flush=True)
+sys.stdin.readline()
+from ray import serve
+import ray
+serve.shutdown()
+ray.shutdown()
+"""
+
+
+def _health(url: str) -> Any:
+    try:
+        r = httpx.get(url + "/healthz", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_a_loopback_service_and_its_local_ray_listen_on_loopback_only(tmp_path: Path) -> None:
+    """`serve --host 127.0.0.1` without --ray-address: every listening socket of the service's
+    process tree (Serve's proxy, GCS, raylet, object manager, workers, Ray's agents) is on the
+    loopback interface (Ray's default on Linux: every interface), but one: the Serve replica's
+    inter-deployment gRPC server, which Ray Serve binds to every interface whatever the
+    settings, and which Ray's token authentication guards (on, as by default)."""
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LISTENER, str(tmp_path), str(_free_port())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert proc.stdout is not None
+        url, token_auth = proc.stdout.readline().split()
+        assert url.startswith("http://127.0.0.1:"), url
+        # it serves (proxy -> replica) in Ray's single-node mode
+        health = wait_for(
+            "the service to answer /healthz",
+            lambda: _health(url),
+            timeout_s=120,
+            show=lambda: url,
+        )
+        assert health["ok"] is True, health
+        tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        mine = [
+            (line.split()[3], line.split()[-1])
+            for line in out.splitlines()
+            if any(f"pid={pid}," in line for pid in tree)
+        ]
+        names = " ".join(who for _, who in mine)
+        assert "gcs_server" in names and "raylet" in names, mine
+        loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+        exposed = [(addr, who) for addr, who in mine if not addr.startswith(loopback)]
+        assert all("ray::ServeRepli" in who for _, who in exposed), exposed
+        assert len(exposed) <= 1 and token_auth == "True", (exposed, token_auth)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            proc.communicate("stop\n", timeout=120)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import yaml
 from fastapi.testclient import TestClient
 
 from optimizer.api import create_app, settings_from_args
-from optimizer.jobs import JobService, JobStore, Scheduler
+from optimizer.jobs import JobService, JobStore, Scheduler, Submission
 from tests.unit.test_api import AUTH, fake_study
 from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service
 
@@ -376,6 +377,142 @@ def test_export_refuses_a_study_whose_trials_load_code(
     assert r.status_code == 422 and "VLLM_PLUGINS" in r.json()["detail"], r.text[:300]
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"engine": {"args": {"tool-parser-plugin": "/x/parser.py"}}},
+        {"engine": {"env": {"VLLM_PLUGINS": "parser"}}},
+        {
+            "search_space": {
+                "name": "old",
+                "params": {"chat-template": {"type": "categorical", "choices": ["/x/t.j2"]}},
+            }
+        },
+    ],
+)
+def test_a_job_stored_before_the_policy_fails_at_its_driver_before_any_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, over: dict[str, Any]
+) -> None:
+    """A job queued (or running, then resumed) before an upgrade is held to the policy when its
+    driver starts: it fails naming the flag, and no plan or server is ever made for it."""
+    from optimizer import study
+    from optimizer.jobs import StudyHost
+
+    def started(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("a plan was made for a refused job")
+
+    monkeypatch.setattr(study, "prepare", started)
+    host = StudyHost("0123456789ab", job_doc("old", **over), str(tmp_path), mlflow=False)
+    host._thread.join(60)
+    status = host.status()
+    named = (
+        next(iter(over["engine"].get("args") or over["engine"]["env"]))
+        if "engine" in over
+        else "chat-template"
+    )
+    assert status["state"] == "failed" and named in status["message"], status
+
+
+# --- the command-line export of a folder the service wrote ------------------------------------
+
+
+def test_the_service_marks_each_study_folder_it_creates(service: JobService) -> None:
+    from optimizer.service import security
+
+    rec, _ = service.submit(Submission(job=job_doc("marked")))
+    marker = json.loads((Path(rec.out) / security.STUDY_MARKER).read_text())
+    assert marker["job"] == rec.id
+    assert security.is_service_study(Path(rec.out))
+
+
+def _service_folder(
+    service: JobService, engine: dict[str, Any], trial_args: dict[str, Any]
+) -> Path:
+    """A study folder as the service's driver leaves it, its job and a trial stored as given
+    (as a study stored before the allow-list was)."""
+    import optuna
+
+    rec, _ = service.submit(Submission(job=job_doc("old")))
+    study = fake_study(service, rec.id)
+    study.add_trial(
+        optuna.trial.create_trial(
+            values=[10.0, 1.0, 900.0],
+            user_attrs={"engine_args": json.dumps(trial_args), "status": "complete"},
+        )
+    )
+    job = {**rec.job, "engine": {**rec.job["engine"], **engine}}
+    plan = {"study": rec.name, "storage": rec.storage_url, "trace": "t.csv", "job": job}
+    (Path(rec.out) / "plan.json").write_text(json.dumps(plan))
+    return Path(rec.out)
+
+
+@pytest.mark.parametrize(
+    ("engine", "trial_args", "named"),
+    [
+        ({"args": {"tool-parser-plugin": "/x/t.csv"}}, {"max-num-seqs": 8}, "tool-parser-plugin"),
+        ({}, {"max-num-seqs": 8, "tool_parser_plugin": "/x/t.csv"}, "tool-parser-plugin"),
+        ({"baseline_args": {"chat-template": "/x/t.j2"}}, {"max-num-seqs": 8}, "chat-template"),
+        ({"env": {"VLLM_PLUGINS": "evil"}}, {"max-num-seqs": 8}, "VLLM_PLUGINS"),
+        ({"python": "/x/python"}, {"max-num-seqs": 8}, "engine.python"),
+    ],
+)
+def test_cli_export_of_a_service_folder_refuses_what_the_service_would(
+    service: JobService,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    engine: dict[str, Any],
+    trial_args: dict[str, Any],
+    named: str,
+) -> None:
+    """Re-validating such a study would start a server with its plugin flag: the command-line
+    export refuses it (the CLI's exit for bad input, naming the flag) before anything starts
+    or is written, as the service's export does."""
+    from optimizer import cli, study
+
+    folder = _service_folder(service, engine, trial_args)
+
+    def started(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("a runner or a plan was made for a refused study")
+
+    monkeypatch.setattr(cli, "_make_runner", started)
+    monkeypatch.setattr(study, "prepare", started)
+    out = tmp_path / "export.yaml"
+    for extra in ([], ["--no-validate"]):
+        argv = ["export", str(folder), "--format", "vllm-config", "--trial", "2"]
+        rc = cli.main([*argv, "--out", str(out), *extra])
+        err = " ".join(capsys.readouterr().err.split())
+        assert rc == 2, (extra, err)
+        assert named in err and "service" in err, err
+        assert not out.exists()
+
+
+def test_cli_export_of_an_unmarked_service_folder_still_applies_the_policy(
+    service: JobService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder the service wrote before it marked them is recognised by its place."""
+    from optimizer import cli
+    from optimizer.service import security
+
+    folder = _service_folder(service, {}, {"tool-parser-plugin": "/x/t.csv"})
+    (folder / security.STUDY_MARKER).unlink()
+    assert folder.parent.name == "studies"
+    rc = cli.main(["export", str(folder), "--format", "vllm-cli", "--trial", "2", "--no-validate"])
+    assert rc == 2 and "tool-parser-plugin" in " ".join(capsys.readouterr().err.split())
+    # the same folder elsewhere is a local `tune` folder: its user's own, exported as it is
+    local = folder.parent.parent / "runs" / "mine"
+    local.parent.mkdir(parents=True)
+    folder.rename(local)
+    plan = json.loads((local / "plan.json").read_text())
+    plan["storage"] = f"sqlite:///{local / 'study.db'}"
+    (local / "plan.json").write_text(json.dumps(plan))
+    assert not security.is_service_study(local)
+    assert (
+        cli.main(["export", str(local), "--format", "vllm-cli", "--trial", "1", "--no-validate"])
+        == 0
+    )
+
+
 # --- 5. Ray bound to the operator's address ---------------------------------------------------
 
 
@@ -384,10 +521,13 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
 ) -> None:
     import ray
     from ray import serve
+    from ray._private import ray_constants
 
     from optimizer import api
 
     seen: dict[str, Any] = {}
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # restored after the test
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.setattr(serve, "start", lambda **kw: seen.update(serve=kw))
@@ -397,3 +537,13 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
     assert seen["_node_ip_address"] == "127.0.0.1"
     assert seen["dashboard_host"] == "127.0.0.1"
     assert seen["serve"]["http_options"]["host"] == "127.0.0.1"
+    # Ray's single-node mode: it keeps the loopback address (else it replaces it by the
+    # machine's) and its servers listen on it only (tests/integration/test_service.py)
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert ray_constants.ENABLE_RAY_CLUSTER is False
+    # every interface, as the operator asked: Ray's defaults
+    seen.clear()
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    api.run_service(service.settings, host="0.0.0.0", port=8123)
+    assert "_node_ip_address" not in seen and ray_constants.ENABLE_RAY_CLUSTER is True
