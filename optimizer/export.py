@@ -256,13 +256,18 @@ class Validation:
     def gain_text(self) -> str:
         """One line for export headers: each objective's median gain and its range."""
         runs = min(len(v) for v in self.chosen.values())
-        return (
-            "; ".join(
-                "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
-                    r["metric"], r["gain_pct"], *r["gain_range_pct"]
-                )
-                for r in self.table()
+
+        def one(r: dict[str, Any]) -> str:
+            if r["baseline_median"] == 0 and not math.isfinite(r["gain_pct"]):
+                # A capacity of 0 (or any zero baseline) has no percentage: say the values.
+                lo, hi = r["chosen_range"]
+                return f"{r['metric']} {r['chosen_median']:.3g} ({lo:.3g}..{hi:.3g}) vs 0"
+            return "{} {:+.1f}% ({:+.1f}%..{:+.1f}%)".format(
+                r["metric"], r["gain_pct"], *r["gain_range_pct"]
             )
+
+        return (
+            "; ".join(one(r) for r in self.table())
             + f" vs baseline, {runs} re-runs each"
             + (
                 f"; SLOs met in {sum(self.slo_met['chosen'])}/{len(self.slo_met['chosen'])}"

@@ -483,3 +483,13 @@ def test_export_headers_name_the_trace_not_the_tuning_machines_path() -> None:
     doc = {"trace": "/somewhere/on/the/tuner/azure2023_code_600.csv", "requests": 63}
     assert ex.trace_label(doc) == "azure2023_code_600.csv, 63 requests replayed"
     assert ex.trace_label({}) == "?"
+
+
+def test_a_baseline_capacity_of_zero_is_a_win_said_in_values_not_percent() -> None:
+    # Capacity studies: the baseline carried none of the traffic within the SLOs in any re-run
+    # (capacity 0), the chosen configuration carried 6 req/s in each.
+    win = _fake_validation([6.0, 6.1, 5.9], [0.0, 0.0, 0.0], base_feasible=[False] * 3)
+    assert win.problems(["output_throughput"]) == []
+    text = win.gain_text()
+    assert text.startswith("output_throughput 6 (5.9..6.1) vs 0")
+    assert "nan" not in text
