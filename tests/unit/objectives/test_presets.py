@@ -179,3 +179,21 @@ class TestObjectiveSet:
     def test_slos_parsed(self) -> None:
         objectives = load_objectives(None, None, ["p95_ttft_ms<=500"])
         assert objectives.slos == (parse_slo("p95_ttft_ms<=500"),)
+
+
+def test_capacity_presets_need_slos_and_mark_the_set_as_capacity() -> None:
+    from objectives import load_objectives
+
+    cap = load_objectives("capacity", None, ["p95_ttft_ms<=500"])
+    assert cap.is_capacity and cap.metrics == ["capacity_rps"]
+    assert cap.directions == ["maximize"]
+    lat = load_objectives("capacity-latency", None, ["p95_ttft_ms<=500"])
+    assert lat.metrics == ["capacity_rps", "nominal_p95_ttft_ms", "nominal_p95_tpot_ms"]
+    assert lat.directions == ["maximize", "minimize", "minimize"]
+    # An unmeasured nominal latency (its step stopped early) is told its worst case.
+    assert lat.values(
+        {"capacity_rps": 2.0, "nominal_p95_ttft_ms": float("nan"), "nominal_p95_tpot_ms": 30.0}
+    ) == [2.0, 1e9, 30.0]
+    assert not load_objectives("default", None, []).is_capacity
+    with pytest.raises(ObjectiveError, match="no SLO"):
+        load_objectives("capacity", None, [])
