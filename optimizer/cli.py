@@ -517,7 +517,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             if r.failure_class:
                 text += f" ({r.failure_class.value})"
             cap = r.capacity
-            if cap:
+            if cap and not cap.get("rps"):
+                text += f": capacity 0: {r.message}"
+            elif cap:
                 text += (
                     f": capacity {cap.get('rps', 0):.3g} req/s (rate x{cap.get('scale', 0):.3g}, "
                     f"{len(cap.get('steps') or [])} steps"

@@ -151,6 +151,8 @@ def assemble(spec: TrialSpec, search: CapacityResult, runner: StepRunner) -> Cap
     best = search.best_step()
     shown = best if best is not None else search.lowest_step()
     summary: dict[str, float] = dict(shown.summary) if shown is not None else {}
+    if shown is not None and shown.stopped_early:
+        summary["partial"] = 1.0  # no scale passed and the lowest was cut short
     step_no = int(shown.detail.get("step", -1)) if shown is not None else -1
     records = tuple(runner.records.get(step_no, ()))
     rps = _offered(best)
