@@ -218,6 +218,15 @@ class ObjectiveSet:
                 f"objective {needing[0]!r} counts what is served within the SLOs, but no SLO "
                 "is given; add one, e.g. p95_ttft_ms<=500 and p95_tpot_ms<=50"
             )
+        capacity = [m for m in metrics if m in CAPACITY_METRICS]
+        if capacity and not any(_bounds_queueing(s) for s in self.slos):
+            raise ObjectiveError(
+                f"objective {capacity[0]!r} searches the highest load at which the SLOs hold, "
+                "but no SLO bounds the time a request waits (TTFT or E2EL): a server that "
+                "queues requests for minutes would still meet "
+                + ", ".join(str(s) for s in self.slos)
+                + " at any load. Add one, e.g. p95_ttft_ms<=2000"
+            )
 
     @property
     def is_capacity(self) -> bool:
@@ -283,6 +292,15 @@ class ObjectiveSet:
     def failed_constraints(self) -> list[float]:
         """Constraint values for a trial that measured nothing: every SLO violated."""
         return [FAILED_CONSTRAINT] * len(self.slos)
+
+
+def _bounds_queueing(slo: Slo) -> bool:
+    """True for an upper bound on a latency that includes queueing (TTFT, E2EL)."""
+    return slo.op in ("<=", "<") and slo.per_request_metric in (
+        "ttft_ms",
+        "e2el_ms",
+        "ttft_from_scheduled_ms",
+    )
 
 
 def _objectives(*specs: tuple[str, Direction]) -> tuple[Objective, ...]:

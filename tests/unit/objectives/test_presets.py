@@ -197,3 +197,7 @@ def test_capacity_presets_need_slos_and_mark_the_set_as_capacity() -> None:
     assert not load_objectives("default", None, []).is_capacity
     with pytest.raises(ObjectiveError, match="no SLO"):
         load_objectives("capacity", None, [])
+    # Without a bound on waiting (TTFT / E2EL) a queueing server meets TPOT at any load.
+    with pytest.raises(ObjectiveError, match="bounds the time a request waits"):
+        load_objectives("capacity", None, ["p95_tpot_ms<=250", "error_rate<=0.01"])
+    assert load_objectives("capacity", None, ["p99_e2el_ms<=9000"]).is_capacity
