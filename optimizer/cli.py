@@ -711,7 +711,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
     weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
-    policy = "trial" if ns.trial is not None else ns.policy
+    policy = "trial" if ns.trial is not None else (ns.policy or ex.default_policy(study))
     chosen = ex.select_trial(study, policy, trial_number=ns.trial, weights=weights)
     baseline = next(
         (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
@@ -1021,7 +1021,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="study folder")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument(
-        "--policy", default="max-throughput", choices=[x for x in POLICIES if x != "trial"]
+        "--policy",
+        default=None,
+        choices=[x for x in POLICIES if x != "trial"],
+        help="which front configuration to export (default: max-capacity for a capacity study, "
+        "else max-throughput)",
     )
     p.add_argument("--trial", type=int, default=None, help="export this trial (overrides --policy)")
     p.add_argument(

@@ -52,7 +52,15 @@ __all__ = [
     "validate_choice",
 ]
 
-POLICIES = ("max-throughput", "min-ttft", "min-tpot", "knee", "weighted", "trial")
+POLICIES = (
+    "max-throughput",
+    "max-capacity",
+    "min-ttft",
+    "min-tpot",
+    "knee",
+    "weighted",
+    "trial",
+)
 FORMATS = ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve")
 
 # The values contract of vLLM's production-stack chart for the keys the helm exporter writes.
@@ -97,6 +105,11 @@ def _knee(front: list[FrozenTrial], directions: Sequence[StudyDirection]) -> Fro
         for i in range(len(front))
     ]
     return front[dist.index(min(dist))]
+
+
+def default_policy(study: optuna.Study) -> str:
+    """``max-capacity`` for a capacity study, ``max-throughput`` otherwise."""
+    return "max-capacity" if "capacity_rps" in (study.metric_names or []) else "max-throughput"
 
 
 def select_trial(
@@ -151,6 +164,8 @@ def select_trial(
 
     if policy == "max-throughput":
         return best_by("output_throughput", maximize=True)
+    if policy == "max-capacity":
+        return best_by("capacity_rps", maximize=True)
     if policy == "min-ttft":
         return best_by("p95_ttft_ms", maximize=False)
     if policy == "min-tpot":
@@ -300,6 +315,7 @@ class Validation:
 
 _PRIMARY = {
     "max-throughput": "output_throughput",
+    "max-capacity": "capacity_rps",
     "min-ttft": "p95_ttft_ms",
     "min-tpot": "p95_tpot_ms",
 }

@@ -272,3 +272,14 @@ def test_show_json_report_and_export_header_carry_the_capacity(
     assert answer is not None
     line = answer.export_line(1)
     assert "req/s" in line and "baseline" in line and "(x" in line
+
+
+def test_export_picks_the_highest_capacity_by_default(tmp_path: Path) -> None:
+    from optimizer import export as ex
+
+    _plan, study = _run(tmp_path, FakeCapacityRunner())
+    assert ex.default_policy(study) == "max-capacity"
+    assert ex.select_trial(study, ex.default_policy(study)).number == 1
+    assert ex.primary_metrics("max-capacity", ["capacity_rps"]) == ["capacity_rps"]
+    with pytest.raises(Exception, match="no objective 'output_throughput'"):
+        ex.select_trial(study, "max-throughput")
