@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import json
@@ -38,6 +39,7 @@ from optimizer.workload.sse import DoneEvent, ErrorEvent, SSEParser, TextEvent, 
 __all__ = [
     "Clock",
     "MonotonicClock",
+    "ReplayOptions",
     "ReplayProgress",
     "ReplayResult",
     "ReplaySnapshot",
@@ -83,6 +85,73 @@ class MonotonicClock:
         delay = deadline - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayOptions:
+    """How a replay runs: one record instead of a long keyword list (like httpx's ``Limits``).
+
+    The seams (clock, transport) and callbacks (progress, stop check) stay arguments of
+    :func:`replay`; everything else is here. Derive variants with ``dataclasses.replace``.
+
+    Attributes:
+        warmup_requests: The first this many requests are marked ``warmup=True``.
+        max_duration_s: Stop after this many seconds: requests not yet sent are recorded as
+            ``"not sent: max duration reached"``, in-flight ones are cancelled and recorded as
+            ``"cancelled: max duration reached"``. None: run until every request finished.
+        endpoint: Path of the completions endpoint.
+        max_connections: Connections in all; must exceed the peak number of requests in
+            flight, or requests queue inside the client and the schedule is not kept.
+        client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
+            (requests go round-robin); keeps httpx's per-request pool overhead small.
+        connect_timeout_s: TCP connect timeout.
+        read_timeout_s: Timeout between two reads of a response; None (the default) so a
+            slow first token under heavy load is measured, not cut off.
+        max_send_lag_ms: Bound on the P99 send lag for ``schedule_kept``.
+        progress_interval_s: Minimum seconds between two progress calls.
+        api_key: Sent as a bearer token when given.
+        extra_body: Fields added to every request body.
+        trust_env: Let httpx read proxy settings from the environment; off by default
+            because the replay targets a server the tuner started, and a proxy would distort
+            every latency.
+        stop_check_interval_s: Seconds between two ``stop_check`` calls.
+    """
+
+    warmup_requests: int = 0
+    max_duration_s: float | None = None
+    endpoint: str = "/v1/completions"
+    max_connections: int = 4096
+    client_shards: int = 16
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float | None = None
+    max_send_lag_ms: float = 10.0
+    progress_interval_s: float = 0.2
+    api_key: str | None = None
+    extra_body: Mapping[str, Any] | None = None
+    trust_env: bool = False
+    stop_check_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.warmup_requests < 0:
+            raise ReplayError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.max_duration_s is not None and self.max_duration_s <= 0:
+            raise ReplayError(f"max_duration_s must be positive, got {self.max_duration_s}")
+        if self.max_connections <= 0 or self.client_shards <= 0:
+            raise ReplayError(
+                f"max_connections and client_shards must be positive, "
+                f"got {self.max_connections} and {self.client_shards}"
+            )
+
+
+def _options(options: ReplayOptions | None, overrides: Mapping[str, Any]) -> ReplayOptions:
+    """``options`` (or the defaults) with keyword overrides (the pre-record call style)."""
+    base = options if options is not None else ReplayOptions()
+    if not overrides:
+        return base
+    unknown = sorted(set(overrides) - set(ReplayOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"replay() got unexpected keyword arguments: {', '.join(unknown)}")
+    return dataclasses.replace(base, **overrides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,23 +579,12 @@ async def replay(
     *,
     vocab: TokenRange,
     seed: int,
-    warmup_requests: int = 0,
-    max_duration_s: float | None = None,
+    options: ReplayOptions | None = None,
     clock: Clock | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     progress: Callable[[ReplayProgress], None] | None = None,
-    endpoint: str = "/v1/completions",
-    max_connections: int = 4096,
-    client_shards: int = 16,
-    connect_timeout_s: float = 10.0,
-    read_timeout_s: float | None = None,
-    max_send_lag_ms: float = 10.0,
-    progress_interval_s: float = 0.2,
-    api_key: str | None = None,
-    extra_body: Mapping[str, Any] | None = None,
-    trust_env: bool = False,
     stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
-    stop_check_interval_s: float = 0.5,
+    **overrides: Any,
 ) -> ReplayResult:
     """Replay a trace open-loop and record every request.
 
@@ -537,34 +595,19 @@ async def replay(
         model: Served model name sent in every body.
         vocab: Token ids prompts may use (see :class:`~optimizer.workload.prompts.TokenRange`).
         seed: Prompt seed (see :func:`~optimizer.workload.prompts.build_prompt_ids`).
-        warmup_requests: The first this many requests are marked ``warmup=True``.
-        max_duration_s: Stop after this many seconds: requests not yet sent are recorded as
-            ``"not sent: max duration reached"``, in-flight ones are cancelled and recorded as
-            ``"cancelled: max duration reached"``. None: run until every request finished.
+        options: How to run (:class:`ReplayOptions`); the defaults when None.
         clock: Time source and sleeper; :class:`MonotonicClock` when None.
         transport: httpx transport (tests pass ``httpx.MockTransport``); when given, the
-            connection limits below are the transport's business.
+            connection limits of ``options`` are the transport's business.
         progress: Called with a :class:`ReplayProgress` at most once per
-            ``progress_interval_s`` while requests are sent or finish, and once at the end.
-        endpoint: Path of the completions endpoint.
-        max_connections: Connections in all; must exceed the peak number of requests in
-            flight, or requests queue inside the client and the schedule is not kept.
-        client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
-            (requests go round-robin); keeps httpx's per-request pool overhead small.
-        connect_timeout_s: TCP connect timeout.
-        read_timeout_s: Timeout between two reads of a response; None (the default) so a
-            slow first token under heavy load is measured, not cut off.
-        max_send_lag_ms: Bound on the P99 send lag for ``schedule_kept``.
-        progress_interval_s: Minimum seconds between two progress calls.
-        api_key: Sent as a bearer token when given.
-        extra_body: Fields added to every request body.
-        trust_env: Let httpx read proxy settings from the environment; off by default
-            because the replay targets a server the tuner started, and a proxy would distort
-            every latency.
-        stop_check: Called every ``stop_check_interval_s`` with a :class:`ReplaySnapshot`;
-            returning a reason stops the replay like ``max_duration_s`` does (early stop of a
-            trial whose SLOs can no longer be met), with the reason in ``stop_reason``.
-        stop_check_interval_s: Seconds between two ``stop_check`` calls.
+            ``options.progress_interval_s`` while requests are sent or finish, and once at
+            the end.
+        stop_check: Called every ``options.stop_check_interval_s`` with a
+            :class:`ReplaySnapshot`; returning a reason stops the replay like
+            ``max_duration_s`` does (early stop of a trial whose SLOs can no longer be met),
+            with the reason in ``stop_reason``.
+        **overrides: Fields of :class:`ReplayOptions` given as keywords (replacing those of
+            ``options``), so ``replay(..., warmup_requests=10)`` keeps working.
 
     Returns:
         The records of all requests in trace order and the client's fidelity.
@@ -574,28 +617,20 @@ async def replay(
     """
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
-    if warmup_requests < 0:
-        raise ReplayError(f"warmup_requests must be >= 0, got {warmup_requests}")
-    if max_duration_s is not None and max_duration_s <= 0:
-        raise ReplayError(f"max_duration_s must be positive, got {max_duration_s}")
-    if max_connections <= 0 or client_shards <= 0:
-        raise ReplayError(
-            f"max_connections and client_shards must be positive, "
-            f"got {max_connections} and {client_shards}"
-        )
+    opts = _options(options, overrides)
     clock = clock if clock is not None else MonotonicClock()
 
     first_arrival_s = trace.requests[0].arrival_s
     scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
     if any(b < a for a, b in itertools.pairwise(scheduled_s)):
         raise ReplayError("trace requests must be sorted by arrival_s")
-    bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=extra_body)
+    bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=opts.extra_body)
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    if opts.api_key:
+        headers["Authorization"] = f"Bearer {opts.api_key}"
 
-    shards = max(1, min(client_shards, max_connections))
-    connections_per_client = -(-max_connections // shards)
+    shards = max(1, min(opts.client_shards, opts.max_connections))
+    connections_per_client = -(-opts.max_connections // shards)
     limits = httpx.Limits(
         max_connections=connections_per_client,
         max_keepalive_connections=connections_per_client,
@@ -603,7 +638,9 @@ async def replay(
     )
     # pool=None: a request waiting for a connection is a client problem reported through
     # schedule_kept, never a timeout; read=None: a slow first token is data.
-    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
+    timeout = httpx.Timeout(
+        connect=opts.connect_timeout_s, read=opts.read_timeout_s, write=60.0, pool=None
+    )
     _preload_lazy_imports()
     async with contextlib.AsyncExitStack() as stack:
         # Several small pools instead of one big one: httpcore's pool bookkeeping costs
@@ -616,13 +653,15 @@ async def replay(
                     transport=transport,
                     limits=limits,
                     timeout=timeout,
-                    trust_env=trust_env,
+                    trust_env=opts.trust_env,
                 )
             )
             for _ in range(shards)
         ]
         requests = [
-            clients[index % shards].build_request("POST", endpoint, content=body, headers=headers)
+            clients[index % shards].build_request(
+                "POST", opts.endpoint, content=body, headers=headers
+            )
             for index, body in enumerate(bodies)
         ]
         del bodies
@@ -633,10 +672,10 @@ async def replay(
             scheduled_s=scheduled_s,
             wanted_tokens=[r.output_tokens for r in trace.requests],
             input_tokens=[r.input_tokens for r in trace.requests],
-            warmup_requests=warmup_requests,
+            warmup_requests=opts.warmup_requests,
             clock=clock,
             progress=progress,
-            progress_interval_s=progress_interval_s,
+            progress_interval_s=opts.progress_interval_s,
         )
         run.t0 = clock.now()
         main = asyncio.create_task(run.main())
@@ -646,11 +685,11 @@ async def replay(
         stop_reason = ""
         try:
             waiting: set[asyncio.Task[Any]] = {main}
-            if max_duration_s is not None:
-                timer = asyncio.create_task(clock.sleep_until(run.t0 + max_duration_s))
+            if opts.max_duration_s is not None:
+                timer = asyncio.create_task(clock.sleep_until(run.t0 + opts.max_duration_s))
                 waiting.add(timer)
             if stop_check is not None:
-                watcher = asyncio.create_task(run.watch(stop_check, stop_check_interval_s))
+                watcher = asyncio.create_task(run.watch(stop_check, opts.stop_check_interval_s))
                 waiting.add(watcher)
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if main in done:
@@ -684,9 +723,9 @@ async def replay(
     p99_ms, max_ms, kept, message = _judge(
         records,
         stop_s=stop_s,
-        bound_ms=max_send_lag_ms,
+        bound_ms=opts.max_send_lag_ms,
         pool_overflow=run.pool_overflow,
-        max_connections=max_connections,
+        max_connections=opts.max_connections,
     )
     if not kept:
         logger.warning("%s", message)
@@ -695,7 +734,7 @@ async def replay(
         duration_s=duration_s,
         p99_send_lag_ms=p99_ms,
         max_send_lag_ms=max_ms,
-        max_send_lag_bound_ms=max_send_lag_ms,
+        max_send_lag_bound_ms=opts.max_send_lag_ms,
         peak_in_flight=run.peak_in_flight,
         schedule_kept=kept,
         stopped_early=stopped_early,
@@ -704,62 +743,13 @@ async def replay(
     )
 
 
-def run_replay(
-    trace: Trace,
-    url: str,
-    model: str,
-    *,
-    vocab: TokenRange,
-    seed: int,
-    warmup_requests: int = 0,
-    max_duration_s: float | None = None,
-    clock: Clock | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    progress: Callable[[ReplayProgress], None] | None = None,
-    endpoint: str = "/v1/completions",
-    max_connections: int = 4096,
-    client_shards: int = 16,
-    connect_timeout_s: float = 10.0,
-    read_timeout_s: float | None = None,
-    max_send_lag_ms: float = 10.0,
-    progress_interval_s: float = 0.2,
-    api_key: str | None = None,
-    extra_body: Mapping[str, Any] | None = None,
-    trust_env: bool = False,
-    stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
-    stop_check_interval_s: float = 0.5,
-) -> ReplayResult:
+def run_replay(trace: Trace, url: str, model: str, **kwargs: Any) -> ReplayResult:
     """Run :func:`replay` in a fresh event loop (for synchronous callers).
 
     Ctrl-C cancels the replay: in-flight requests are cancelled, the client is closed, and
-    ``KeyboardInterrupt`` propagates. Arguments are those of :func:`replay`.
+    ``KeyboardInterrupt`` propagates. Keyword arguments are those of :func:`replay`.
 
     Returns:
         The :class:`ReplayResult`.
     """
-    return asyncio.run(
-        replay(
-            trace,
-            url,
-            model,
-            vocab=vocab,
-            seed=seed,
-            warmup_requests=warmup_requests,
-            max_duration_s=max_duration_s,
-            clock=clock,
-            transport=transport,
-            progress=progress,
-            endpoint=endpoint,
-            max_connections=max_connections,
-            client_shards=client_shards,
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-            max_send_lag_ms=max_send_lag_ms,
-            progress_interval_s=progress_interval_s,
-            api_key=api_key,
-            extra_body=extra_body,
-            trust_env=trust_env,
-            stop_check=stop_check,
-            stop_check_interval_s=stop_check_interval_s,
-        )
-    )
+    return asyncio.run(replay(trace, url, model, **kwargs))
