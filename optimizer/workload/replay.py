@@ -10,8 +10,16 @@ streams the response through :class:`~optimizer.workload.sse.SSEParser` and keep
 observations only (:class:`~optimizer.types.RequestRecord`). The client's own fidelity is
 measured too: send lag (sent - scheduled) is summarised in :class:`ReplayResult`, which says
 whether the schedule was kept, so a caller never scores a replay the client distorted
-(DESIGN §3). Every request of the trace is accounted for, including the ones a time limit
-stopped. The clock and the HTTP transport are seams for tests.
+(DESIGN §3). A request's send time is when its first bytes were written to its socket (httpcore's
+``trace`` hook), as the server sees it: an overloaded client's tasks, pool and connection set-up
+all delay it, and all of that counts as lag. Every request of the trace is accounted for,
+including the ones a time limit stopped. The clock and the HTTP transport are seams for tests.
+
+Connections do not race the server's idle timeout: they expire on the client first
+(``keepalive_expiry_s``), and a request the server never read because it closed the request's
+reused connection as idle (after a stall of the server) is sent once more on a fresh connection
+(``ReplayResult.retried``). Transport failures are recorded with the OS error under them
+(:func:`describe_error`).
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import importlib
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +54,7 @@ __all__ = [
     "ReplayResult",
     "ReplaySnapshot",
     "build_request_bodies",
+    "describe_error",
     "replay",
     "run_replay",
 ]
@@ -103,7 +114,17 @@ class ReplayOptions:
         max_connections: Connections in all; must exceed the peak number of requests in
             flight, or requests queue inside the client and the schedule is not kept.
         client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
-            (requests go round-robin); keeps httpx's per-request pool overhead small.
+            (requests go round-robin); keeps httpx's per-request pool overhead small. Few:
+            every pool keeps connections of its own, and the more pools, the more
+            connections sit idle long enough to race the server's idle timeout.
+        keepalive_expiry_s: An idle connection is closed by the client after this many
+            seconds. Below the server's own idle timeout (vLLM's uvicorn: 5 s) with a margin
+            for a busy server, so the client never sends on a connection the server is about
+            to close.
+        retry_reset: A request whose *reused* connection was reset or closed before any
+            response byte arrived (the server closed it as idle, racing the send: it never
+            read the request) is sent once more on a fresh connection and counted in
+            ``ReplayResult.retried``; its send time is the retry's.
         connect_timeout_s: TCP connect timeout.
         read_timeout_s: Timeout between two reads of a response; None (the default) so a
             slow first token under heavy load is measured, not cut off.
@@ -121,7 +142,9 @@ class ReplayOptions:
     max_duration_s: float | None = None
     endpoint: str = "/v1/completions"
     max_connections: int = 4096
-    client_shards: int = 16
+    client_shards: int = 4
+    keepalive_expiry_s: float = 3.0
+    retry_reset: bool = True
     connect_timeout_s: float = 10.0
     read_timeout_s: float | None = None
     max_send_lag_ms: float = 10.0
@@ -136,6 +159,8 @@ class ReplayOptions:
             raise ReplayError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if self.max_duration_s is not None and self.max_duration_s <= 0:
             raise ReplayError(f"max_duration_s must be positive, got {self.max_duration_s}")
+        if self.keepalive_expiry_s < 0:
+            raise ReplayError(f"keepalive_expiry_s must be >= 0, got {self.keepalive_expiry_s}")
         if self.max_connections <= 0 or self.client_shards <= 0:
             raise ReplayError(
                 f"max_connections and client_shards must be positive, "
@@ -201,7 +226,8 @@ class ReplayResult:
         records: One record per trace request, in trace order.
         duration_s: Wall seconds from the clock start to the last request's end.
         p99_send_lag_ms: 99th percentile of ``sent_s - scheduled_s`` over sent measured
-            (non-warm-up) requests (a
+            (non-warm-up) requests, where ``sent_s`` is when the request's first bytes were
+            written to its socket, as the server sees it, not when its task started (a
             request the replay gave up on after its scheduled time counts with the time it had
             waited, so a client that fell behind cannot look punctual); 0 if none was sent.
         max_send_lag_ms: Largest such lag.
@@ -213,6 +239,9 @@ class ReplayResult:
         stopped_early: True when ``max_duration_s`` or ``stop_check`` ended the replay before
             every request finished.
         message: Empty when the schedule was kept; otherwise what went wrong and what to do.
+        stop_reason: Why the replay stopped early ("" when it did not).
+        retried: Requests sent a second time, on a fresh connection, because the server
+            closed their idle connection as they were sent (``ReplayOptions.retry_reset``).
     """
 
     records: tuple[RequestRecord, ...]
@@ -225,6 +254,7 @@ class ReplayResult:
     stopped_early: bool
     message: str = ""
     stop_reason: str = ""
+    retried: int = 0
 
     @property
     def failed(self) -> int:
@@ -235,6 +265,64 @@ class ReplayResult:
 def _snippet(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "..."
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an exception, with the OS error (errno) found in its chain.
+
+    httpx wraps a socket error two or three times (httpx -> httpcore -> anyio), often with
+    empty messages on the way; the first non-empty message of the chain is used and the
+    errno's symbolic name is added, so a record says ``ReadError: [Errno 104] Connection
+    reset by peer (ECONNRESET)``. Without any message, the chain's types are listed.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    message = next((str(e) for e in chain if str(e)), "")
+    os_error = next((e for e in chain if isinstance(e, OSError) and e.errno), None)
+    text = type(exc).__name__
+    if message:
+        text += f": {_snippet(message)}"
+    if os_error is not None and os_error.errno is not None:
+        code = os_error.errno
+        name = errno.errorcode.get(code, str(code))
+        if message != str(os_error):
+            text += f" [Errno {code}] {os.strerror(code)}"
+        text += f" ({name})"
+    elif not message:
+        causes = " <- ".join(type(e).__name__ for e in chain[1:])
+        text += f" (from {causes})" if causes else " (raised without a message or an OS error)"
+    return text
+
+
+def _reset_before_response(exc: BaseException) -> bool:
+    """True for a connection closed or reset under a request before any response byte."""
+    return isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+
+
+class _Attempt:
+    """What httpcore's ``trace`` hooks tell about one attempt to send a request.
+
+    ``sent_s``: when the request line and headers were written to the socket (the server can
+    read them from then on); ``fresh``: the attempt opened a connection instead of reusing
+    an idle one. Passed as the request's ``trace`` extension.
+    """
+
+    __slots__ = ("clock", "fresh", "sent_s", "t0")
+
+    def __init__(self, clock: Clock, t0: float) -> None:
+        self.clock = clock
+        self.t0 = t0
+        self.sent_s: float | None = None
+        self.fresh = False
+
+    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
+        if name == "http11.send_request_headers.complete":
+            self.sent_s = self.clock.now() - self.t0
+        elif name == "connection.connect_tcp.started":
+            self.fresh = True
 
 
 def _preload_lazy_imports() -> None:
@@ -301,6 +389,7 @@ class _Run:
         self,
         *,
         clients: Sequence[httpx.AsyncClient],
+        retry_client: httpx.AsyncClient | None,
         connections_per_client: int,
         requests: Sequence[httpx.Request],
         scheduled_s: Sequence[float],
@@ -312,6 +401,8 @@ class _Run:
         progress_interval_s: float,
     ) -> None:
         self.clients = clients
+        self.retry_client = retry_client
+        self.retried = 0
         self.connections_per_client = connections_per_client
         # Requests in flight per client: more than its connections means queueing in its pool.
         self.in_flight_per_client = [0] * len(clients)
@@ -404,11 +495,12 @@ class _Run:
         clock = self.clock
         t0 = self.t0
         wanted = self.wanted_tokens[index]
-        # Stamped before any await, so the lag includes the dispatcher's and the loop's delay.
-        sent_s = clock.now() - t0
+        # Stamped before any await: the send time until the socket write says otherwise
+        # (requests that fail before they reach a socket, transports without trace hooks).
+        dispatched_s = clock.now() - t0
         shard = index % len(self.clients)
         self.sent += 1
-        self.in_flight_sent[index] = sent_s
+        self.in_flight_sent[index] = dispatched_s
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         self.in_flight_per_client[shard] += 1
@@ -420,8 +512,27 @@ class _Run:
         usage_tokens: int | None = None
         done_s: float | None = None
         error: str | None = None
+        request = self.requests[index]
+        attempt = _Attempt(clock, t0)
+        request.extensions["trace"] = attempt
         try:
-            response = await self.clients[shard].send(self.requests[index], stream=True)
+            try:
+                response = await self.clients[shard].send(request, stream=True)
+            except httpx.TransportError as exc:
+                # The server closed an idle connection as the request went out on it: it
+                # never read the request, so sending it again cannot count it twice.
+                if self.retry_client is None or attempt.fresh or not _reset_before_response(exc):
+                    raise
+                self.retried += 1
+                logger.info(
+                    "request %d: %s on a reused connection before any response; "
+                    "retrying on a fresh one",
+                    index,
+                    describe_error(exc),
+                )
+                attempt = _Attempt(clock, t0)
+                request.extensions["trace"] = attempt
+                response = await self.retry_client.send(request, stream=True)
             try:
                 if response.status_code != 200:
                     body = await response.aread()
@@ -455,17 +566,19 @@ class _Run:
                 await response.aclose()
         except asyncio.CancelledError:
             error = _CANCELLED.format(reason=self.cancel_reason)
+            sent_s = attempt.sent_s if attempt.sent_s is not None else dispatched_s
             self._finish(index, sent_s, chunk_times, usage_tokens, None, error)
             self.in_flight_per_client[shard] -= 1
             raise
         except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {_snippet(str(exc)) or 'no detail'}"
+            error = describe_error(exc)
 
         output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
         if error is None and done_s is None:
             error = "stream ended without [DONE]"
         if error is None and output_tokens < wanted:
             error = f"short output: {output_tokens} of {wanted} tokens"
+        sent_s = attempt.sent_s if attempt.sent_s is not None else dispatched_s
         self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
         self.in_flight_per_client[shard] -= 1
 
@@ -634,7 +747,7 @@ async def replay(
     limits = httpx.Limits(
         max_connections=connections_per_client,
         max_keepalive_connections=connections_per_client,
-        keepalive_expiry=60.0,
+        keepalive_expiry=opts.keepalive_expiry_s,
     )
     # pool=None: a request waiting for a connection is a client problem reported through
     # schedule_kept, never a timeout; read=None: a slow first token is data.
@@ -658,6 +771,18 @@ async def replay(
             )
             for _ in range(shards)
         ]
+        # Retries go on connections of their own, never reused: a fresh one each time.
+        retry_client = None
+        if opts.retry_reset:
+            retry_client = await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url,
+                    transport=transport,
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                    timeout=timeout,
+                    trust_env=opts.trust_env,
+                )
+            )
         requests = [
             clients[index % shards].build_request(
                 "POST", opts.endpoint, content=body, headers=headers
@@ -667,6 +792,7 @@ async def replay(
         del bodies
         run = _Run(
             clients=clients,
+            retry_client=retry_client,
             connections_per_client=connections_per_client,
             requests=requests,
             scheduled_s=scheduled_s,
@@ -740,6 +866,7 @@ async def replay(
         stopped_early=stopped_early,
         message=message,
         stop_reason=stop_reason,
+        retried=run.retried,
     )
 
 
