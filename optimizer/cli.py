@@ -320,7 +320,7 @@ def cmd_trace_convert(ns: argparse.Namespace) -> int:
     for line in lines:
         console.print(line)
     if ns.to == "vllm-custom":
-        bench_args = export_vllm_custom(trace, ns.out)
+        bench_args = export_vllm_custom(trace, ns.out, seed=ns.seed)
         console.print(f"wrote {ns.out}; replay it with: vllm bench serve {' '.join(bench_args)}")
     else:
         write_trace(trace, ns.out)
