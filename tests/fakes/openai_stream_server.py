@@ -61,6 +61,7 @@ class FakeOpenAIServer:
         itl_s: Delay between token chunks (0: all chunks in one write). Tokens are written at
             absolute deadlines (first token + ``k * itl_s``), so timer lateness never adds up.
         keepalive_s: Idle timeout of a connection between two requests (None: none).
+        vocab: Reject (HTTP 400, as vLLM does) token-id prompts with an id at or above this.
         token_text: Text of every token chunk.
         model: Model name reported by ``/v1/models``.
     """
@@ -75,6 +76,7 @@ class FakeOpenAIServer:
         token_text: str = " tok",
         model: str = "fake-model",
         keepalive_s: float | None = None,
+        vocab: int | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -83,6 +85,7 @@ class FakeOpenAIServer:
         self.token_text = token_text
         self.model = model
         self.keepalive_s = keepalive_s
+        self.vocab = vocab
         self.idle_closes = 0
         self.lost_requests = 0
         self.arrivals: list[float] = []
@@ -178,7 +181,8 @@ class FakeOpenAIServer:
         elif method == "GET" and path == "/health":
             self._respond(writer, 200, b"")
         elif method == "GET" and path == "/v1/models":
-            models = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            card = {"id": self.model, "object": "model", "root": f"/nonexistent/{self.model}"}
+            models = {"object": "list", "data": [card]}
             self._respond(writer, 200, json.dumps(models).encode())
         elif method == "GET" and path == "/stats":
             stats = {
@@ -214,6 +218,14 @@ class FakeOpenAIServer:
             prompt = request.get("prompt", "")
         except (ValueError, TypeError, AttributeError):
             self._respond(writer, 400, b'{"error": {"message": "bad request body"}}')
+            return
+        if (
+            self.vocab is not None
+            and isinstance(prompt, list)
+            and max(prompt, default=0) >= self.vocab
+        ):
+            message = f"Token id {max(prompt)} is out of vocabulary"
+            self._respond(writer, 400, json.dumps({"error": {"message": message}}).encode())
             return
         self.arrivals.append(arrival)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
@@ -295,6 +307,7 @@ async def _amain(args: argparse.Namespace) -> None:
         ttft_s=args.ttft_ms / 1e3,
         itl_s=args.itl_ms / 1e3,
         keepalive_s=args.keepalive_s,
+        vocab=args.vocab,
     )
     port = await server.start()
     print(f"listening on {port}", flush=True)
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--keepalive-s", type=float, default=None, help="idle timeout of a connection"
     )
+    parser.add_argument("--vocab", type=int, default=None, help="reject token ids at or above")
     asyncio.run(_amain(parser.parse_args(argv)))
 
 
