@@ -43,6 +43,7 @@ import numpy as np
 
 from optimizer.errors import ReplayError
 from optimizer.types import RequestRecord, Trace
+from optimizer.workload.http11 import LeanTransport
 from optimizer.workload.prompts import TokenRange, build_prompt_ids
 from optimizer.workload.sse import DoneEvent, ErrorEvent, SSEParser, TextEvent, UsageEvent
 
@@ -125,6 +126,10 @@ class ReplayOptions:
             response byte arrived (the server closed it as idle, racing the send: it never
             read the request) is sent once more on a fresh connection and counted in
             ``ReplayResult.retried``; its send time is the retry's.
+        lean_transport: For ``http`` URLs, send through
+            :class:`~optimizer.workload.http11.LeanTransport` (one pool, a fraction of httpx's
+            per-read CPU cost) instead of httpx's own transport; ``client_shards`` then does
+            not matter. Off: httpx's transport (also used for ``https``).
         connect_timeout_s: TCP connect timeout.
         read_timeout_s: Timeout between two reads of a response; None (the default) so a
             slow first token under heavy load is measured, not cut off.
@@ -145,6 +150,7 @@ class ReplayOptions:
     client_shards: int = 4
     keepalive_expiry_s: float = 3.0
     retry_reset: bool = True
+    lean_transport: bool = True
     connect_timeout_s: float = 10.0
     read_timeout_s: float | None = None
     max_send_lag_ms: float = 10.0
@@ -542,7 +548,7 @@ class _Run:
                     )
                 else:
                     parser = SSEParser()
-                    async for data in response.aiter_bytes():
+                    async for data in response.aiter_raw():
                         now_s = clock.now() - t0
                         for event in parser.feed(data):
                             if isinstance(event, TextEvent):
@@ -738,11 +744,17 @@ async def replay(
     if any(b < a for a, b in itertools.pairwise(scheduled_s)):
         raise ReplayError("trace requests must be sorted by arrival_s")
     bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=opts.extra_body)
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    # identity: no decoder layer on the stream (vLLM does not compress it anyway).
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "text/event-stream",
+        "Accept-Encoding": "identity",
+    }
     if opts.api_key:
         headers["Authorization"] = f"Bearer {opts.api_key}"
 
-    shards = max(1, min(opts.client_shards, opts.max_connections))
+    lean = transport is None and opts.lean_transport and url.startswith("http:")
+    shards = 1 if lean else max(1, min(opts.client_shards, opts.max_connections))
     connections_per_client = -(-opts.max_connections // shards)
     limits = httpx.Limits(
         max_connections=connections_per_client,
@@ -755,6 +767,17 @@ async def replay(
         connect=opts.connect_timeout_s, read=opts.read_timeout_s, write=60.0, pool=None
     )
     _preload_lazy_imports()
+    # One TLS context for every pool: each would otherwise load the CA bundle (tens of ms).
+    ssl_context = httpx.create_ssl_context() if url.startswith("https:") else False
+    retry_transport = transport
+    if lean:
+        transport = LeanTransport(
+            keepalive_expiry_s=opts.keepalive_expiry_s, connect_timeout_s=opts.connect_timeout_s
+        )
+        # Expiry 0: never reuses a connection, so a retry always gets a fresh one.
+        retry_transport = LeanTransport(
+            keepalive_expiry_s=0.0, connect_timeout_s=opts.connect_timeout_s
+        )
     async with contextlib.AsyncExitStack() as stack:
         # Several small pools instead of one big one: httpcore's pool bookkeeping costs
         # O(connections^2) per request and event (encode/httpx#3215), so one pool of
@@ -767,6 +790,7 @@ async def replay(
                     limits=limits,
                     timeout=timeout,
                     trust_env=opts.trust_env,
+                    verify=ssl_context,
                 )
             )
             for _ in range(shards)
@@ -777,10 +801,11 @@ async def replay(
             retry_client = await stack.enter_async_context(
                 httpx.AsyncClient(
                     base_url=url,
-                    transport=transport,
+                    transport=retry_transport,
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                     timeout=timeout,
                     trust_env=opts.trust_env,
+                    verify=ssl_context,
                 )
             )
         requests = [

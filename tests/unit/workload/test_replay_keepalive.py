@@ -119,8 +119,10 @@ def test_keepalive_race_reproduced_with_the_old_connection_settings(
     stoppable_server: tuple[subprocess.Popen[str], str],
 ) -> None:
     process, url = stoppable_server
-    # The settings before the fix: 16 pools, a 60 s expiry, no retry.
-    old = ReplayOptions(client_shards=16, keepalive_expiry_s=60.0, retry_reset=False)
+    # The settings before the fix: httpx's transport, 16 pools, a 60 s expiry, no retry.
+    old = ReplayOptions(
+        client_shards=16, keepalive_expiry_s=60.0, retry_reset=False, lean_transport=False
+    )
     result = _replay_across_a_stall(process.pid, url, old)
     errors = [r.error for r in result.records if r.error is not None]
     assert all(r.ok for r in result.records[:N1])
@@ -132,11 +134,12 @@ def test_keepalive_race_reproduced_with_the_old_connection_settings(
     assert result.retried == 0
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-transport", "httpx-transport"])
 def test_keepalive_race_no_spurious_failures_after_the_fix(
-    stoppable_server: tuple[subprocess.Popen[str], str],
+    stoppable_server: tuple[subprocess.Popen[str], str], lean: bool
 ) -> None:
     process, url = stoppable_server
-    result = _replay_across_a_stall(process.pid, url, ReplayOptions())
+    result = _replay_across_a_stall(process.pid, url, ReplayOptions(lean_transport=lean))
     assert [r.error for r in result.records if not r.ok] == []
     stats = _stats(url)
     # The server did reset the raced connections, and served every request exactly once.
