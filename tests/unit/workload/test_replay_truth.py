@@ -12,6 +12,7 @@ over is loopback and the client's own delay in reading a chunk.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -20,13 +21,15 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from objectives import summarize
 from optimizer.types import Trace, TraceRequest
+from optimizer.workload.http11 import LeanTransport
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import run_replay
+from optimizer.workload.replay import ReplayResult, replay, run_replay
 
 REPO = Path(__file__).resolve().parents[3]
 TTFT_MS = 100.0
@@ -90,3 +93,52 @@ def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
     # The server kept its nominal latencies (medians: robust to a scheduler hiccup).
     assert np.median(served["ttft"]) * 1e3 == pytest.approx(TTFT_MS, rel=0.05)
     assert np.median(served["itl"]) * 1e3 == pytest.approx(ITL_MS, rel=0.05)
+
+
+class _SlowToSend(httpx.AsyncBaseTransport):
+    """Holds every other request 150 ms before it reaches a socket (a busy client's pool)."""
+
+    def __init__(self) -> None:
+        self.inner = LeanTransport()
+        self.count = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.count += 1
+        if self.count % 2 == 0:
+            await asyncio.sleep(0.15)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_send_lag_is_what_the_server_sees(timed_server: str) -> None:
+    """A request held inside the client counts as late: sent_s is the socket write."""
+    with urllib.request.urlopen(
+        urllib.request.Request(timed_server + "/arrivals/reset", data=b"", method="POST"),
+        timeout=10,
+    ):
+        pass
+    trace = Trace(tuple(TraceRequest(i * 0.2, 8, 2) for i in range(10)))
+
+    async def go() -> ReplayResult:
+        return await replay(
+            trace,
+            timed_server,
+            "fake-model",
+            vocab=TokenRange(256, 1000),
+            seed=0,
+            transport=_SlowToSend(),
+        )
+
+    result = asyncio.run(go())
+    assert all(r.ok for r in result.records)
+    lags = [r.sent_s - r.scheduled_s for r in result.records]
+    assert all(lag >= 0.15 for lag in lags[1::2]) and all(lag < 0.05 for lag in lags[::2])
+    assert result.p99_send_lag_ms >= 150 and not result.schedule_kept
+    # The server's arrival log agrees with the recorded send times (same monotonic clock).
+    with urllib.request.urlopen(timed_server + "/arrivals", timeout=10) as response:
+        arrivals = sorted(json.loads(response.read()))
+    sent = [r.sent_s for r in result.records]
+    for arrival, sent_s in zip(arrivals, sent, strict=True):
+        assert (arrival - arrivals[0]) - (sent_s - sent[0]) == pytest.approx(0.0, abs=0.005)
