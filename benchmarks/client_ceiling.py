@@ -19,7 +19,8 @@ CPU cost: the client's CPU seconds (user + system, all threads) per step and per
 around ``run_replay`` (prompt and request building included), ``vllm bench serve`` around its
 ``benchmark()`` coroutine (its test request and metric computation included; interpreter start,
 imports and dataset sampling excluded). Both clients run at this process's priority (printed).
-``--transport httpx`` measures ours with httpx's own transport instead of the lean one.
+``--transport httpx`` measures ours with httpx's own transport instead of the lean one;
+``--processes N`` spreads ours over N client processes (their CPU includes their start-up).
 
 Usage::
 
@@ -33,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -126,11 +128,13 @@ def run_ours(
     in_tokens: int,
     out_tokens: int,
     lean: bool = True,
+    processes: int = 1,
 ):
     n = int(rate_rps * seconds)
     trace = Trace(tuple(TraceRequest(i / rate_rps, in_tokens, out_tokens) for i in range(n)))
     reset_arrivals(base_url)
     start = time.process_time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = run_replay(
         trace,
         base_url,
@@ -139,8 +143,12 @@ def run_ours(
         seed=0,
         max_send_lag_ms=5.0,
         lean_transport=lean,
+        processes=processes,
     )
     cpu_s = time.process_time() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Client processes (processes > 1): their whole lives, interpreter start and imports too.
+    cpu_s += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     return (
         result.p99_send_lag_ms,
         arrival_lag_p99_ms(base_url, rate_rps, n),
@@ -208,6 +216,9 @@ def main() -> None:
         "--transport", default="lean", choices=["lean", "httpx", "both"], help="ours: which one"
     )
     parser.add_argument("--skip-vllm", action="store_true", help="measure ours only")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="ours: client processes (run_replay processes=)"
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
@@ -250,6 +261,7 @@ def main() -> None:
                     args.input_tokens,
                     args.output_tokens,
                     lean=variant == "lean",
+                    processes=args.processes,
                 )
                 row.update(
                     {

@@ -141,6 +141,13 @@ class ReplayOptions:
             because the replay targets a server the tuner started, and a proxy would distort
             every latency.
         stop_check_interval_s: Seconds between two ``stop_check`` calls.
+        start_at: When schedule time zero falls, on the clock's scale (``perf_counter``,
+            system-wide on Linux); None: as soon as everything is prepared. Lets several
+            processes replay parts of one trace on one schedule (:func:`run_replay`'s
+            ``processes``).
+        schedule_origin_s: The ``arrival_s`` that is schedule time zero; None: the first
+            request's.
+        prompt_indices: The index each request's prompt is built from (None: its position).
     """
 
     warmup_requests: int = 0
@@ -159,6 +166,9 @@ class ReplayOptions:
     extra_body: Mapping[str, Any] | None = None
     trust_env: bool = False
     stop_check_interval_s: float = 0.5
+    start_at: float | None = None
+    schedule_origin_s: float | None = None
+    prompt_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.warmup_requests < 0:
@@ -349,6 +359,7 @@ def build_request_bodies(
     vocab: TokenRange,
     seed: int,
     extra_body: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | None = None,
 ) -> list[bytes]:
     """JSON-encode the ``/v1/completions`` body of every request of a trace.
 
@@ -362,13 +373,16 @@ def build_request_bodies(
         vocab: Token ids the prompts may use.
         seed: Prompt seed.
         extra_body: Fields added to (or overriding) every body, e.g. ``{"temperature": 1.0}``.
+        indices: Each request's index for its prompt (default: its position), so that a part
+            of a trace replayed apart builds the prompts the whole trace would.
 
     Returns:
         One body per request, in trace order.
     """
     extra = dict(extra_body or {})
     bodies: list[bytes] = []
-    for index, request in enumerate(trace.requests):
+    positions = indices if indices is not None else range(len(trace.requests))
+    for index, request in zip(positions, trace.requests, strict=True):
         body: dict[str, Any] = {
             "model": model,
             "prompt": build_prompt_ids(
@@ -739,11 +753,22 @@ async def replay(
     opts = _options(options, overrides)
     clock = clock if clock is not None else MonotonicClock()
 
-    first_arrival_s = trace.requests[0].arrival_s
+    first_arrival_s = (
+        opts.schedule_origin_s
+        if opts.schedule_origin_s is not None
+        else trace.requests[0].arrival_s
+    )
     scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
     if any(b < a for a, b in itertools.pairwise(scheduled_s)):
         raise ReplayError("trace requests must be sorted by arrival_s")
-    bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=opts.extra_body)
+    bodies = build_request_bodies(
+        trace,
+        model,
+        vocab=vocab,
+        seed=seed,
+        extra_body=opts.extra_body,
+        indices=opts.prompt_indices,
+    )
     # identity: no decoder layer on the stream (vLLM does not compress it anyway).
     headers = {
         "Content-Type": "application/json",
@@ -828,7 +853,7 @@ async def replay(
             progress=progress,
             progress_interval_s=opts.progress_interval_s,
         )
-        run.t0 = clock.now()
+        run.t0 = clock.now() if opts.start_at is None else opts.start_at
         main = asyncio.create_task(run.main())
         timer: asyncio.Task[None] | None = None
         watcher: asyncio.Task[str] | None = None
@@ -895,13 +920,112 @@ async def replay(
     )
 
 
-def run_replay(trace: Trace, url: str, model: str, **kwargs: Any) -> ReplayResult:
+def run_replay(
+    trace: Trace, url: str, model: str, *, processes: int = 1, **kwargs: Any
+) -> ReplayResult:
     """Run :func:`replay` in a fresh event loop (for synchronous callers).
 
     Ctrl-C cancels the replay: in-flight requests are cancelled, the client is closed, and
     ``KeyboardInterrupt`` propagates. Keyword arguments are those of :func:`replay`.
 
+    Args:
+        trace: The trace.
+        url: Base URL of the server.
+        model: Served model name.
+        processes: Client processes (one event loop each, for rates one core cannot keep):
+            request ``i`` goes to process ``i % processes``, all on one schedule; prompts are
+            those of a single-process replay. Not with ``progress``, ``stop_check``,
+            ``clock`` or ``transport``.
+        **kwargs: As for :func:`replay`.
+
     Returns:
-        The :class:`ReplayResult`.
+        The :class:`ReplayResult` (merged over the processes, judged as a whole).
     """
-    return asyncio.run(replay(trace, url, model, **kwargs))
+    if processes <= 1:
+        return asyncio.run(replay(trace, url, model, **kwargs))
+    return _run_in_processes(trace, url, model, processes, kwargs)
+
+
+_PROCESS_START_MARGIN_S = 3.0
+
+
+def _replay_part(
+    trace: Trace, url: str, model: str, vocab: TokenRange, seed: int, options: ReplayOptions
+) -> ReplayResult:
+    """One process's part of a multi-process replay (runs in that process)."""
+    return asyncio.run(replay(trace, url, model, vocab=vocab, seed=seed, options=options))
+
+
+def _run_in_processes(
+    trace: Trace, url: str, model: str, processes: int, kwargs: dict[str, Any]
+) -> ReplayResult:
+    import concurrent.futures
+    import multiprocessing
+
+    for name in ("progress", "stop_check", "clock", "transport"):
+        if kwargs.get(name) is not None:
+            raise ReplayError(f"run_replay(processes={processes}) does not take {name}")
+    if not trace.requests:
+        raise ReplayError("cannot replay an empty trace")
+    vocab, seed = kwargs.pop("vocab"), kwargs.pop("seed")
+    options = _options(
+        kwargs.pop("options", None),
+        {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("progress", "stop_check", "clock", "transport")
+        },
+    )
+    origin = trace.requests[0].arrival_s
+    parts = []
+    for p in range(min(processes, len(trace.requests))):
+        indices = tuple(range(p, len(trace.requests), processes))
+        part = dataclasses.replace(trace, requests=tuple(trace.requests[i] for i in indices))
+        part_options = dataclasses.replace(
+            options,
+            schedule_origin_s=origin,
+            prompt_indices=indices,
+            warmup_requests=max(0, -(-(options.warmup_requests - p) // processes)),
+        )
+        parts.append((indices, part, part_options))
+    # Every process starts its clock at the same instant, once all can have started.
+    start_at = time.perf_counter() + _PROCESS_START_MARGIN_S
+    parts = [
+        (indices, part, dataclasses.replace(part_options, start_at=start_at))
+        for indices, part, part_options in parts
+    ]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(parts), mp_context=context) as pool:
+        futures = [
+            pool.submit(_replay_part, part, url, model, vocab, seed, part_options)
+            for _, part, part_options in parts
+        ]
+        results = [future.result() for future in futures]
+    records: list[RequestRecord | None] = [None] * len(trace.requests)
+    for (indices, _, _), result in zip(parts, results, strict=True):
+        for record in result.records:
+            records[indices[record.index]] = dataclasses.replace(
+                record, index=indices[record.index]
+            )
+    merged = tuple(r for r in records if r is not None)
+    stop_s = max(r.end_s for r in merged)
+    p99_ms, max_ms, kept, message = _judge(
+        merged,
+        stop_s=stop_s,
+        bound_ms=options.max_send_lag_ms,
+        pool_overflow=sum(not r.schedule_kept and "max_connections" in r.message for r in results),
+        max_connections=options.max_connections,
+    )
+    return ReplayResult(
+        records=merged,
+        duration_s=max(r.duration_s for r in results),
+        p99_send_lag_ms=p99_ms,
+        max_send_lag_ms=max_ms,
+        max_send_lag_bound_ms=options.max_send_lag_ms,
+        peak_in_flight=sum(r.peak_in_flight for r in results),
+        schedule_kept=kept,
+        stopped_early=any(r.stopped_early for r in results),
+        message=message,
+        stop_reason=next((r.stop_reason for r in results if r.stop_reason), ""),
+        retried=sum(r.retried for r in results),
+    )

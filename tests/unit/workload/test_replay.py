@@ -19,6 +19,7 @@ from optimizer.workload.replay import (
     ReplayProgress,
     ReplayResult,
     ReplaySnapshot,
+    build_request_bodies,
     replay,
 )
 
@@ -380,3 +381,17 @@ def test_options_record_and_keyword_overrides() -> None:
         run(make_trace([0.0]), FakeServer(clock), clock, no_such_option=1)
     with pytest.raises(ReplayError):
         ReplayOptions(client_shards=0)
+
+
+def test_a_part_of_a_trace_builds_the_prompts_the_whole_trace_would() -> None:
+    trace = Trace(
+        tuple(TraceRequest(i * 0.1, 12, 2, prefix_blocks=(i % 2,)) for i in range(6)),
+        block_size=4,
+    )
+    whole = build_request_bodies(trace, "m", vocab=VOCAB, seed=5)
+    indices = (1, 3, 5)
+    part = Trace(tuple(trace.requests[i] for i in indices), block_size=4)
+    assert build_request_bodies(part, "m", vocab=VOCAB, seed=5, indices=indices) == [
+        whole[i] for i in indices
+    ]
+    assert build_request_bodies(part, "m", vocab=VOCAB, seed=5) != [whole[i] for i in indices]

@@ -142,3 +142,32 @@ def test_send_lag_is_what_the_server_sees(timed_server: str) -> None:
     sent = [r.sent_s for r in result.records]
     for arrival, sent_s in zip(arrivals, sent, strict=True):
         assert (arrival - arrivals[0]) - (sent_s - sent[0]) == pytest.approx(0.0, abs=0.005)
+
+
+def test_several_client_processes_replay_one_schedule(timed_server: str) -> None:
+    """processes=2: one schedule, every request once, the prompts of a one-process replay."""
+    with urllib.request.urlopen(
+        urllib.request.Request(timed_server + "/arrivals/reset", data=b"", method="POST"),
+        timeout=10,
+    ):
+        pass
+    trace = Trace(tuple(TraceRequest(i * 0.05, 12, 2, prefix_blocks=(i % 2,)) for i in range(20)))
+    result = run_replay(
+        trace,
+        timed_server,
+        "fake-model",
+        vocab=TokenRange(256, 1000),
+        seed=3,
+        warmup_requests=3,
+        processes=2,
+    )
+    assert [r.index for r in result.records] == list(range(20))
+    assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
+    assert [r.warmup for r in result.records] == [True] * 3 + [False] * 17
+    assert [r.scheduled_s for r in result.records] == pytest.approx([i * 0.05 for i in range(20)])
+    assert result.p99_send_lag_ms < 50
+    # One schedule: the server saw the requests 50 ms apart, in order, from both processes.
+    with urllib.request.urlopen(timed_server + "/arrivals", timeout=10) as response:
+        arrivals = sorted(json.loads(response.read()))
+    gaps = np.diff(arrivals)
+    assert len(arrivals) == 20 and np.median(gaps) == pytest.approx(0.05, abs=0.005)
