@@ -125,7 +125,9 @@ class ReplayOptions:
         retry_reset: A request whose *reused* connection was reset or closed before any
             response byte arrived (the server closed it as idle, racing the send: it never
             read the request) is sent once more on a fresh connection and counted in
-            ``ReplayResult.retried``; its send time is the retry's.
+            ``ReplayResult.retried``. Its send time stays the first attempt's: those bytes
+            reached the server's socket on time, and the server's stall belongs in the
+            request's TTFT, not in the client's send lag.
         lean_transport: For ``http`` URLs, send through
             :class:`~optimizer.workload.http11.LeanTransport` (one pool, a fraction of httpx's
             per-read CPU cost) instead of httpx's own transport; ``client_shards`` then does
@@ -326,13 +328,21 @@ class _Attempt:
     an idle one. Passed as the request's ``trace`` extension.
     """
 
-    __slots__ = ("clock", "fresh", "sent_s", "t0")
+    __slots__ = ("clock", "fresh", "sent_s", "sent_s_first", "t0")
 
     def __init__(self, clock: Clock, t0: float) -> None:
         self.clock = clock
         self.t0 = t0
         self.sent_s: float | None = None
+        self.sent_s_first: float | None = None  # an earlier attempt's, when this is a retry
         self.fresh = False
+
+    def send_time(self, dispatched_s: float) -> float:
+        """The request's send time: the first socket write of any attempt."""
+        for sent_s in (self.sent_s_first, self.sent_s):
+            if sent_s is not None:
+                return sent_s
+        return dispatched_s
 
     async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
         if name == "http11.send_request_headers.complete":
@@ -550,7 +560,9 @@ class _Run:
                     index,
                     describe_error(exc),
                 )
+                first_sent_s = attempt.sent_s
                 attempt = _Attempt(clock, t0)
+                attempt.sent_s_first = first_sent_s
                 request.extensions["trace"] = attempt
                 response = await self.retry_client.send(request, stream=True)
             try:
@@ -586,7 +598,7 @@ class _Run:
                 await response.aclose()
         except asyncio.CancelledError:
             error = _CANCELLED.format(reason=self.cancel_reason)
-            sent_s = attempt.sent_s if attempt.sent_s is not None else dispatched_s
+            sent_s = attempt.send_time(dispatched_s)
             self._finish(index, sent_s, chunk_times, usage_tokens, None, error)
             self.in_flight_per_client[shard] -= 1
             raise
@@ -598,7 +610,7 @@ class _Run:
             error = "stream ended without [DONE]"
         if error is None and output_tokens < wanted:
             error = f"short output: {output_tokens} of {wanted} tokens"
-        sent_s = attempt.sent_s if attempt.sent_s is not None else dispatched_s
+        sent_s = attempt.send_time(dispatched_s)
         self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
         self.in_flight_per_client[shard] -= 1
 
