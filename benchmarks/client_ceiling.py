@@ -247,6 +247,7 @@ def main() -> None:
     rows = []
     alive = {variant: True for variant in variants}
     vllm_alive = True
+    strikes: dict[str, bool] = {}
     try:
         for rate in rates:
             row: dict[str, object] = {"rate": rate}
@@ -272,7 +273,11 @@ def main() -> None:
                         f"{variant}_cpu_ms_per_req": 1e3 * cpu_s / n,
                     }
                 )
-                alive[variant] = server_ms < 20 * args.bound_ms
+                # Stop stepping a client after two collapsed steps in a row (one can be a
+                # transient of a shared machine).
+                collapsed = not server_ms < 20 * args.bound_ms
+                alive[variant] = not (collapsed and strikes.get(variant, False))
+                strikes[variant] = collapsed
             if vllm_python and tokenizer_dir and vllm_alive:
                 lag_ms, cpu_s, error = run_vllm_bench(
                     vllm_python,
@@ -289,7 +294,9 @@ def main() -> None:
                     vllm_cpu_ms_per_req=1e3 * cpu_s / n,
                     vllm_error=error,
                 )
-                vllm_alive = not error and lag_ms < 20 * args.bound_ms
+                collapsed = bool(error) or not lag_ms < 20 * args.bound_ms
+                vllm_alive = not (collapsed and strikes.get("vllm", False))
+                strikes["vllm"] = collapsed
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
