@@ -15,10 +15,17 @@ the P99 send lag at each rate:
 
 The ceiling is the highest rate whose P99 lag stays under ``--bound-ms`` (default 5 ms).
 
+CPU cost: the client's CPU seconds (user + system, all threads) per step and per request: ours
+around ``run_replay`` (prompt and request building included), ``vllm bench serve`` around its
+``benchmark()`` coroutine (its test request and metric computation included; interpreter start,
+imports and dataset sampling excluded). Both clients run at this process's priority (printed).
+``--transport httpx`` measures ours with httpx's own transport instead of the lean one;
+``--processes N`` spreads ours over N client processes (their CPU includes their start-up).
+
 Usage::
 
     python -m benchmarks.client_ceiling [--rates 50,100,200,400,800,1600] [--seconds 5]
-        [--vllm-python PATH]
+        [--vllm-python PATH] [--transport lean|httpx|both]
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -45,12 +54,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 _VLLM_BENCH_DRIVER = textwrap.dedent(
     """
-    import sys
-    from vllm.benchmarks.serve import add_cli_args, main
+    import sys, time
+    import vllm.benchmarks.serve as serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    inner = serve.benchmark
+    async def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            print(f"CLIENT_CPU_S {time.process_time() - start:.6f}", file=sys.stderr)
+    serve.benchmark = timed
     parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    main(parser.parse_args(sys.argv[1:]))
+    serve.add_cli_args(parser)
+    serve.main(parser.parse_args(sys.argv[1:]))
     """
 )
 
@@ -104,17 +121,39 @@ def arrival_lag_p99_ms(base_url: str, rate_rps: float, n_requests: int) -> float
     return float(np.percentile(lags_ms, 99))
 
 
-def run_ours(base_url: str, rate_rps: float, seconds: float, in_tokens: int, out_tokens: int):
+def run_ours(
+    base_url: str,
+    rate_rps: float,
+    seconds: float,
+    in_tokens: int,
+    out_tokens: int,
+    lean: bool = True,
+    processes: int = 1,
+):
     n = int(rate_rps * seconds)
     trace = Trace(tuple(TraceRequest(i / rate_rps, in_tokens, out_tokens) for i in range(n)))
     reset_arrivals(base_url)
+    start = time.process_time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = run_replay(
-        trace, base_url, "fake-model", vocab=TokenRange(256, 32_000), seed=0, max_send_lag_ms=5.0
+        trace,
+        base_url,
+        "fake-model",
+        vocab=TokenRange(256, 32_000),
+        seed=0,
+        max_send_lag_ms=5.0,
+        lean_transport=lean,
+        processes=processes,
     )
+    cpu_s = time.process_time() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Client processes (processes > 1): their whole lives, interpreter start and imports too.
+    cpu_s += (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     return (
         result.p99_send_lag_ms,
         arrival_lag_p99_ms(base_url, rate_rps, n),
         result.failed,
+        cpu_s,
     )
 
 
@@ -126,7 +165,7 @@ def run_vllm_bench(
     seconds: float,
     in_tokens: int,
     out_tokens: int,
-) -> tuple[float, str]:
+) -> tuple[float, float, str]:
     n = int(rate_rps * seconds)
     reset_arrivals(base_url)
     args = [
@@ -146,8 +185,10 @@ def run_vllm_bench(
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     if completed.returncode != 0:
-        return float("nan"), completed.stderr.strip().splitlines()[-1][:200]
-    return arrival_lag_p99_ms(base_url, rate_rps, n), ""
+        return float("nan"), float("nan"), completed.stderr.strip().splitlines()[-1][:200]
+    cpu = [line for line in completed.stderr.splitlines() if line.startswith("CLIENT_CPU_S ")]
+    cpu_s = float(cpu[-1].split()[1]) if cpu else float("nan")
+    return arrival_lag_p99_ms(base_url, rate_rps, n), cpu_s, ""
 
 
 def find_vllm_python(candidate: str | None) -> str | None:
@@ -171,10 +212,17 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=0.0, help="fake server inter-token delay")
     parser.add_argument("--bound-ms", type=float, default=5.0)
     parser.add_argument("--vllm-python", default=None, help="interpreter with vllm importable")
+    parser.add_argument(
+        "--transport", default="lean", choices=["lean", "httpx", "both"], help="ours: which one"
+    )
+    parser.add_argument("--skip-vllm", action="store_true", help="measure ours only")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="ours: client processes (run_replay processes=)"
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
-    vllm_python = find_vllm_python(args.vllm_python)
+    vllm_python = None if args.skip_vllm else find_vllm_python(args.vllm_python)
     tokenizer_dir = None
     if vllm_python:
         tokenizer_dir = tempfile.mkdtemp(prefix="ceiling-tok-")
@@ -193,20 +241,45 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     )
     print(f"steps of {args.seconds:g} s, {args.input_tokens} in / {args.output_tokens} out tokens")
+    print(f"client niceness (both clients): {os.getpriority(os.PRIO_PROCESS, 0)}")
+    variants = {"lean": ["lean"], "httpx": ["httpx"], "both": ["lean", "httpx"]}[args.transport]
     process, base_url = start_server(args.itl_ms)
     rows = []
-    ours_alive = vllm_alive = True
+    alive = {variant: True for variant in variants}
+    vllm_alive = True
+    strikes: dict[str, bool] = {}
     try:
         for rate in rates:
             row: dict[str, object] = {"rate": rate}
-            if ours_alive:
-                client_ms, server_ms, failed = run_ours(
-                    base_url, rate, args.seconds, args.input_tokens, args.output_tokens
+            n = int(rate * args.seconds)
+            for variant in variants:
+                if not alive[variant]:
+                    continue
+                client_ms, server_ms, failed, cpu_s = run_ours(
+                    base_url,
+                    rate,
+                    args.seconds,
+                    args.input_tokens,
+                    args.output_tokens,
+                    lean=variant == "lean",
+                    processes=args.processes,
                 )
-                row.update(ours_client=client_ms, ours_server=server_ms, ours_failed=failed)
-                ours_alive = client_ms < 20 * args.bound_ms
+                row.update(
+                    {
+                        f"{variant}_client": client_ms,
+                        f"{variant}_server": server_ms,
+                        f"{variant}_failed": failed,
+                        f"{variant}_cpu_s": cpu_s,
+                        f"{variant}_cpu_ms_per_req": 1e3 * cpu_s / n,
+                    }
+                )
+                # Stop stepping a client after two collapsed steps in a row (one can be a
+                # transient of a shared machine).
+                collapsed = not server_ms < 20 * args.bound_ms
+                alive[variant] = not (collapsed and strikes.get(variant, False))
+                strikes[variant] = collapsed
             if vllm_python and tokenizer_dir and vllm_alive:
-                lag_ms, error = run_vllm_bench(
+                lag_ms, cpu_s, error = run_vllm_bench(
                     vllm_python,
                     tokenizer_dir,
                     base_url,
@@ -215,8 +288,15 @@ def main() -> None:
                     args.input_tokens,
                     args.output_tokens,
                 )
-                row.update(vllm=lag_ms, vllm_error=error)
-                vllm_alive = not error and lag_ms < 20 * args.bound_ms
+                row.update(
+                    vllm=lag_ms,
+                    vllm_cpu_s=cpu_s,
+                    vllm_cpu_ms_per_req=1e3 * cpu_s / n,
+                    vllm_error=error,
+                )
+                collapsed = bool(error) or not lag_ms < 20 * args.bound_ms
+                vllm_alive = not (collapsed and strikes.get("vllm", False))
+                strikes["vllm"] = collapsed
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -227,16 +307,17 @@ def main() -> None:
 
     def cell(row: dict[str, object], key: str) -> str:
         value = row.get(key)
-        return f"{value:9.2f}" if isinstance(value, float) else f"{'-':>9}"
+        return f"{value:10.2f}" if isinstance(value, float) else f"{'-':>10}"
 
     print()
-    print(f"P99 send lag (ms), bound {args.bound_ms:g} ms")
-    print(f"{'rate/s':>8} {'ours(cli)':>9} {'ours(srv)':>9} {'vllm(srv)':>9}")
+    print(f"P99 send lag (ms), bound {args.bound_ms:g} ms; client CPU (ms per request)")
+    columns = [(f"{v}_{k}", f"{v}({t})") for v in variants for k, t in (("client", "cli"),)]
+    columns += [(f"{v}_server", f"{v}(srv)") for v in variants] + [("vllm", "vllm(srv)")]
+    columns += [(f"{v}_cpu_ms_per_req", f"{v} cpu") for v in variants]
+    columns += [("vllm_cpu_ms_per_req", "vllm cpu")]
+    print(f"{'rate/s':>8} " + " ".join(f"{title:>10}" for _, title in columns))
     for row in rows:
-        print(
-            f"{row['rate']:8g} {cell(row, 'ours_client')} {cell(row, 'ours_server')}"
-            f" {cell(row, 'vllm')}"
-        )
+        print(f"{row['rate']:8g} " + " ".join(cell(row, key) for key, _ in columns))
 
     def ceiling(key: str) -> str:
         kept = [
@@ -246,12 +327,13 @@ def main() -> None:
         ]
         return f"{max(kept):g} req/s" if kept else "below the lowest rate"
 
-    print(f"ceiling ours (client-recorded lag): {ceiling('ours_client')}")
-    print(f"ceiling ours (server-observed lag): {ceiling('ours_server')}")
+    for variant in variants:
+        print(f"ceiling ours/{variant} (client-recorded lag): {ceiling(variant + '_client')}")
+        print(f"ceiling ours/{variant} (server-observed lag): {ceiling(variant + '_server')}")
     if vllm_python:
         print(f"ceiling vllm bench serve (server-observed lag): {ceiling('vllm')}")
     else:
-        print("vllm bench serve: skipped (no interpreter with vllm importable)")
+        print("vllm bench serve: skipped (--skip-vllm, or no interpreter with vllm importable)")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,17 @@ Pair ``k`` uses seed ``k`` on both sides. The table lists P50/P95 TTFT, mean TPO
 throughput per run, the ours/bench ratio per pair, the send lag of both clients (ours as
 recorded; vLLM's from its request start times against the same schedule), and the server's own
 mean TTFT over the run (from the ``vllm:time_to_first_token_seconds`` histogram of ``/metrics``,
-scraped before and after), which no client overhead can touch. A probe before the runs streams
-a few requests and counts chunks that carry ``choices`` but empty text (vLLM's benchmark times
-those as tokens, we do not).
+scraped before and after), which no client overhead can touch, and likewise the server's own
+mean inter-token latency (``vllm:inter_token_latency_seconds``): when it differs between the two
+clients' runs, the clients loaded the shared machine differently. Each run's client CPU seconds
+are listed (ours around ``run_replay``; vLLM's around its ``benchmark`` coroutine). Both clients
+run at this process's priority (printed). A probe before the runs streams a few requests and
+counts chunks that carry ``choices`` but empty text (vLLM's benchmark times those as tokens, we
+do not).
+
+The last table pools every successful measured request of all of one client's runs (from our
+records and vLLM's ``--save-detailed`` per-request TTFTs and ITLs): TTFT, TPOT and ITL
+percentiles side by side, with the ours/bench ratio.
 
 Usage::
 
@@ -29,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -57,19 +66,48 @@ from optimizer.workload.stats import inspect_trace
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("p50_ttft_ms", "p95_ttft_ms", "mean_tpot_ms", "output_throughput")
-EXTRA = ("mean_ttft_ms", "server_mean_ttft_ms", "p99_send_lag_ms", "failed")
+EXTRA = (
+    "mean_ttft_ms",
+    "server_mean_ttft_ms",
+    "server_mean_itl_ms",
+    "p99_send_lag_ms",
+    "failed",
+    "client_cpu_s",
+)
 _TTFT = "vllm:time_to_first_token_seconds"
+_ITL = "vllm:inter_token_latency_seconds"
+POOLED = (
+    ("ttft", 50),
+    ("ttft", 95),
+    ("ttft", 99),
+    ("tpot", "mean"),
+    ("tpot", 50),
+    ("itl", "mean"),
+    ("itl", 50),
+    ("itl", 95),
+    ("itl", 99),
+)
 
 _VLLM_BENCH_DRIVER = textwrap.dedent(
     """
-    import sys
-    from vllm.benchmarks.serve import add_cli_args, main
+    import sys, time
+    import vllm.benchmarks.serve as serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    inner = serve.benchmark
+    async def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            print(f"CLIENT_CPU_S {time.process_time() - start:.6f}", file=sys.stderr)
+    serve.benchmark = timed
     parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    main(parser.parse_args(sys.argv[1:]))
+    serve.add_cli_args(parser)
+    serve.main(parser.parse_args(sys.argv[1:]))
     """
 )
+
+Pooled = dict[str, list[float]]
 
 
 def bench_schedule(n: int, rate_rps: float, seed: int) -> np.ndarray:
@@ -91,7 +129,7 @@ def fix_export_args(exported: tuple[str, ...], rate_rps: float) -> list[str]:
     out: list[str] = []
     words = iter(exported)
     for word in words:
-        if word in ("--request-rate", "--burstiness"):
+        if word in ("--request-rate", "--burstiness", "--seed"):
             next(words)  # replaced below
             continue
         out.append("--skip-chat-template" if word == "--custom-skip-chat-template" else word)
@@ -114,7 +152,7 @@ def run_bench(
     seed: int,
     result_dir: Path,
     schedule: np.ndarray,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], Pooled]:
     """Run ``vllm bench serve`` once; its metrics read from the ``--save-result`` JSON."""
     name = f"bench-seed{seed}.json"
     args = [
@@ -146,13 +184,36 @@ def run_bench(
     out["p99_send_lag_ms"] = float(np.percentile((offsets - offsets.min()) * 1e3, 99))
     out["total_output_tokens"] = float(data["total_output_tokens"])
     out["total_input_tokens"] = float(data["total_input_tokens"])
-    return out
+    cpu = [line for line in completed.stderr.splitlines() if line.startswith("CLIENT_CPU_S ")]
+    out["client_cpu_s"] = float(cpu[-1].split()[1]) if cpu else float("nan")
+    pooled: Pooled = {"ttft": [], "tpot": [], "itl": []}
+    errors = data.get("errors") or [""] * len(data["ttfts"])
+    for ttft, itls, n_out, err in zip(
+        data["ttfts"], data["itls"], data["output_lens"], errors, strict=True
+    ):
+        if err or not n_out:
+            continue
+        pooled["ttft"].append(1e3 * ttft)
+        pooled["itl"].extend(1e3 * x for x in itls)
+        if n_out > 1:
+            pooled["tpot"].append(1e3 * sum(itls) / (n_out - 1))
+    return out, pooled
 
 
-def server_ttft(engine: EngineProcess) -> tuple[float, float]:
-    """(sum of seconds, count) of the server's TTFT histogram so far."""
+def server_histograms(engine: EngineProcess) -> dict[str, float]:
+    """Sums (s) and counts of the server's TTFT and inter-token-latency histograms so far."""
     metrics = engine.scrape_metrics()
-    return metrics.get(_TTFT + "_sum", 0.0), metrics.get(_TTFT + "_count", 0.0)
+    return {
+        f"{name}_{part}": metrics.get(f"{name}_{part}", 0.0)
+        for name in (_TTFT, _ITL)
+        for part in ("sum", "count")
+    }
+
+
+def server_mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    count = after[name + "_count"] - before[name + "_count"]
+    total = after[name + "_sum"] - before[name + "_sum"]
+    return 1e3 * total / count if count else float("nan")
 
 
 def probe_chunks(url: str, model: str, n: int = 5, max_tokens: int = 32) -> dict[str, int]:
@@ -181,12 +242,27 @@ def probe_chunks(url: str, model: str, n: int = 5, max_tokens: int = 32) -> dict
     return counts
 
 
-def run_ours(trace: Trace, url: str, model: str, vocab: TokenRange, seed: int) -> dict[str, float]:
+def run_ours(
+    trace: Trace, url: str, model: str, vocab: TokenRange, seed: int
+) -> tuple[dict[str, float], Pooled]:
     """Replay ``trace`` with our client; summary keys as vLLM's."""
+    start = time.process_time()
     result = run_replay(trace, url, model, vocab=vocab, seed=seed, max_send_lag_ms=10.0)
+    cpu_s = time.process_time() - start
     summary = summarize(result.records)
     summary["schedule_kept"] = float(result.schedule_kept)
-    return summary
+    summary["client_cpu_s"] = cpu_s
+    summary["retried"] = float(result.retried)
+    pooled: Pooled = {"ttft": [], "tpot": [], "itl": []}
+    for record in result.records:
+        if not record.ok or record.first_token_s is None or record.warmup:
+            continue
+        pooled["ttft"].append(1e3 * (record.first_token_s - record.sent_s))
+        times = record.chunk_times_s
+        pooled["itl"].extend(1e3 * (b - a) for a, b in itertools.pairwise(times))
+        if record.output_tokens > 1:
+            pooled["tpot"].append(1e3 * (times[-1] - times[0]) / (record.output_tokens - 1))
+    return summary, pooled
 
 
 def main() -> None:
@@ -240,9 +316,13 @@ def main() -> None:
         f"{stats['p95_output_tokens']:g}"
     )
     console.print(f"export_vllm_custom returned: {' '.join(exported)}")
+    console.print(f"client niceness (both clients): {os.getpriority(os.PRIO_PROCESS, 0)}")
     console.print(f"vllm bench dataset args used: {' '.join(dataset_args)}")
 
     runs: list[tuple[str, int, dict[str, float]]] = []
+    pools: dict[str, Pooled] = {
+        side: {"ttft": [], "tpot": [], "itl": []} for side in ("ours", "bench")
+    }
     with EngineProcess(config, log_path=work / "server.log", python=args.python) as engine:
         console.print(f"server {engine.url} healthy after {engine.startup_s:.1f} s; {engine.argv}")
         console.print(f"chunk probe: {probe_chunks(engine.url, model)}")
@@ -268,18 +348,18 @@ def main() -> None:
             )
             for side in ("ours", "bench"):
                 t0 = time.monotonic()
-                before = server_ttft(engine)
+                before = server_histograms(engine)
                 if side == "ours":
-                    result = run_ours(poisson, engine.url, model, vocab, seed)
+                    result, pooled = run_ours(poisson, engine.url, model, vocab, seed)
                 else:
-                    result = run_bench(
+                    result, pooled = run_bench(
                         args.python, model, engine.url, dataset_args, seed, work, schedule
                     )
-                after = server_ttft(engine)
-                count = after[1] - before[1]
-                result["server_mean_ttft_ms"] = (
-                    1e3 * (after[0] - before[0]) / count if count else float("nan")
-                )
+                after = server_histograms(engine)
+                result["server_mean_ttft_ms"] = server_mean_ms(before, after, _TTFT)
+                result["server_mean_itl_ms"] = server_mean_ms(before, after, _ITL)
+                for key, values in pooled.items():
+                    pools[side][key].extend(values)
                 runs.append((side, seed, result))
                 console.print(
                     f"{side:>5} seed {seed}: "
@@ -302,6 +382,30 @@ def main() -> None:
             cells.append(f"{ours / bench:.3f}" if bench else "-")
         table.add_row(key, *cells)
     console.print(table)
+
+    pooled_table = Table(title=f"pooled over {args.pairs} interleaved pairs (successful requests)")
+    for column in ("metric (ms)", "ours", "bench", "ours/bench"):
+        pooled_table.add_column(column, justify="right")
+    for metric, stat in POOLED:
+        values = {
+            side: (
+                float(np.mean(pools[side][metric]))
+                if stat == "mean"
+                else float(np.percentile(pools[side][metric], stat))
+            )
+            if pools[side][metric]
+            else float("nan")
+            for side in ("ours", "bench")
+        }
+        label = f"{'mean' if stat == 'mean' else f'p{stat}'} {metric}"
+        ratio = values["ours"] / values["bench"] if values["bench"] else float("nan")
+        pooled_table.add_row(
+            label, f"{values['ours']:.2f}", f"{values['bench']:.2f}", f"{ratio:.3f}"
+        )
+    pooled_table.add_row(
+        "requests", str(len(pools["ours"]["ttft"])), str(len(pools["bench"]["ttft"])), ""
+    )
+    console.print(pooled_table)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,7 @@ def cmd_trace_convert(ns: argparse.Namespace) -> int:
     for line in lines:
         console.print(line)
     if ns.to == "vllm-custom":
-        bench_args = export_vllm_custom(trace, ns.out)
+        bench_args = export_vllm_custom(trace, ns.out, seed=ns.seed)
         console.print(f"wrote {ns.out}; replay it with: vllm bench serve {' '.join(bench_args)}")
     else:
         write_trace(trace, ns.out)
@@ -376,8 +376,20 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     elif ns.model and Path(ns.model).is_dir():
         info = model_info(ns.model)
         token_range = (info.prompt_low, info.prompt_high)
+    elif ns.url:
+        from optimizer.workload.served import served_token_range
+
+        if not served:
+            raise ConfigError("--url needs --served-model (the model name the server serves)")
+        found, how = served_token_range(ns.url, served)
+        token_range = (found.low, found.high)
+        console.print(f"[dim]prompts use {how}[/]")
     else:
         token_range = (1000, 30000)
+        console.print(
+            f"[yellow]{ns.model} is not a local folder: prompts use token ids "
+            f"{token_range[0]}:{token_range[1]} (set --token-range to the model's vocabulary)[/]"
+        )
 
     with Progress(
         TextColumn("{task.description}"),
@@ -399,9 +411,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
             )
 
         if ns.url:
-            boost_priority()  # the client keeps its schedule even when the server is busy
-            if not served:
-                raise ConfigError("--url needs --served-model (the model name the server serves)")
+            if ns.boost_priority:
+                boost_priority()  # the client keeps its schedule even when the server is busy
             result = run_replay(
                 trace,
                 ns.url,
@@ -414,6 +425,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
             )
             summary = dict(summarize(result.records, slos=slos))
             summary["p99_send_lag_ms"] = result.p99_send_lag_ms
+            summary["retried"] = result.retried
             write_records(result.records, out / "records.jsonl.gz")
             kept, message = result.schedule_kept, result.message
         else:
@@ -460,6 +472,24 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         + (f"  goodput {summary['request_goodput']:.2f}/s" if "request_goodput" in summary else "")
     )
     console.print(f"wrote {out / 'summary.json'} and {out / 'records.jsonl.gz'}")
+    failed, completed = int(summary["failed"]), int(summary["completed"])
+    if failed and (not completed or failed / (failed + completed) > ns.max_error_rate):
+        from collections import Counter
+
+        from optimizer.trial_io import read_records
+
+        try:
+            records = read_records(out / "records.jsonl.gz")
+        except OSError:
+            records = []
+        errors = Counter(r.error for r in records if r.error and not r.warmup)
+        worst = "; ".join(f"{n} x {e}" for e, n in errors.most_common(3)) or "see the records"
+        err_console.print(
+            f"[bold red]{failed} of {failed + completed} measured requests failed[/] "
+            f"(error rate {failed / (failed + completed):.1%}, limit {ns.max_error_rate:.1%} "
+            f"set by --max-error-rate): {worst}"
+        )
+        return 4
     if not kept:
         err_console.print(f"[bold yellow]the client could not keep the schedule:[/] {message}")
         return 3
@@ -985,12 +1015,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-range",
         default=None,
         metavar="LOW:HIGH",
-        help="token ids prompts may use (default: from the model folder)",
+        help="token ids prompts may use (default: from the model folder, or asked of the "
+        "server with --url)",
     )
     p.add_argument("--warmup", type=int, default=0, help="leading requests excluded from metrics")
     p.add_argument("--max-duration", type=float, default=None, help="stop the replay after SECONDS")
     p.add_argument("--slo", action="append", default=[], help="e.g. p95_ttft_ms<=500 (for goodput)")
     p.add_argument("--out", required=True, help="folder for records.jsonl.gz and summary.json")
+    p.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=0.01,
+        help="exit with status 4 when more than this share of measured requests failed "
+        "(or all of them did); default 0.01",
+    )
+    p.add_argument(
+        "--boost-priority",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="raise the client's CPU priority when it can (with --url); turn it off to "
+        "compare with a client running at normal priority",
+    )
     _add_shaping(p)
     p.set_defaults(func=cmd_replay)
     p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")

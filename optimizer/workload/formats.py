@@ -777,7 +777,7 @@ def _filler(key: str, length: int) -> str:
     return hashlib.shake_256(key.encode()).digest(length).translate(_TO_ALPHABET).decode("ascii")
 
 
-def prompt_text(request: TraceRequest, index: int, block_size: int) -> str:
+def prompt_text(request: TraceRequest, index: int, block_size: int, seed: int = 0) -> str:
     """A prompt of exactly ``request.input_tokens`` ASCII characters, deterministic.
 
     Under a byte-level tokenizer (one byte per token) its length in tokens is its length in
@@ -790,23 +790,26 @@ def prompt_text(request: TraceRequest, index: int, block_size: int) -> str:
         request: The request.
         index: Its position in the trace (seeds the fresh part).
         block_size: Tokens per prefix block.
+        seed: Another seed gives other prompts (same lengths, same sharing); seed 0 gives the
+            prompts of releases that had no seed.
 
     Returns:
         The prompt text.
     """
+    salt = f"seed:{seed}:" if seed else ""
     parts: list[str] = []
     remaining = request.input_tokens
     for block in request.prefix_blocks:
         if remaining <= 0:
             break
         size = min(block_size, remaining)
-        parts.append(_filler(f"block:{block_size}:{block}", block_size)[:size])
+        parts.append(_filler(f"{salt}block:{block_size}:{block}", block_size)[:size])
         remaining -= size
-    parts.append(_filler(f"request:{index}", remaining))
+    parts.append(_filler(f"{salt}request:{index}", remaining))
     return "".join(parts)
 
 
-def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
+def export_vllm_custom(trace: Trace, path: str | Path, seed: int = 0) -> tuple[str, ...]:
     """Write the trace as vLLM's benchmark ``custom`` dataset JSONL.
 
     Each line is ``{"prompt": ..., "output_tokens": N, "input_tokens": M}``: vLLM's
@@ -826,6 +829,8 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
     Args:
         trace: The requests to export.
         path: Destination ``.jsonl`` file (vLLM requires that extension).
+        seed: Seeds the prompts (:func:`prompt_text`) and is passed on as ``--seed``, which
+            seeds the arrival times ``vllm bench serve`` draws.
 
     Returns:
         The ``vllm bench serve`` arguments that replay this file with matching load.
@@ -836,7 +841,7 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
     with path.open("w", encoding="utf-8") as handle:
         for index, request in enumerate(trace.requests):
             row = {
-                "prompt": prompt_text(request, index, trace.block_size),
+                "prompt": prompt_text(request, index, trace.block_size, seed),
                 "output_tokens": request.output_tokens,
                 "input_tokens": request.input_tokens,
             }
@@ -860,6 +865,8 @@ def export_vllm_custom(trace: Trace, path: str | Path) -> tuple[str, ...]:
         "--ignore-eos",
         "--request-rate",
         repr(rate) if rate > 0 else "inf",
+        "--seed",
+        str(seed),
     ]
     if rate > 0 and cv > 0:
         # vLLM draws gaps from a gamma with shape = burstiness, whose CV is 1/sqrt(shape).

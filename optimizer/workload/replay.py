@@ -10,18 +10,29 @@ streams the response through :class:`~optimizer.workload.sse.SSEParser` and keep
 observations only (:class:`~optimizer.types.RequestRecord`). The client's own fidelity is
 measured too: send lag (sent - scheduled) is summarised in :class:`ReplayResult`, which says
 whether the schedule was kept, so a caller never scores a replay the client distorted
-(DESIGN §3). Every request of the trace is accounted for, including the ones a time limit
-stopped. The clock and the HTTP transport are seams for tests.
+(DESIGN §3). A request's send time is when its first bytes were written to its socket (httpcore's
+``trace`` hook), as the server sees it: an overloaded client's tasks, pool and connection set-up
+all delay it, and all of that counts as lag. Every request of the trace is accounted for,
+including the ones a time limit stopped. The clock and the HTTP transport are seams for tests.
+
+Connections do not race the server's idle timeout: they expire on the client first
+(``keepalive_expiry_s``), and a request the server never read because it closed the request's
+reused connection as idle (after a stall of the server) is sent once more on a fresh connection
+(``ReplayResult.retried``). Transport failures are recorded with the OS error under them
+(:func:`describe_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import errno
 import importlib
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,16 +43,19 @@ import numpy as np
 
 from optimizer.errors import ReplayError
 from optimizer.types import RequestRecord, Trace
+from optimizer.workload.http11 import LeanTransport
 from optimizer.workload.prompts import TokenRange, build_prompt_ids
 from optimizer.workload.sse import DoneEvent, ErrorEvent, SSEParser, TextEvent, UsageEvent
 
 __all__ = [
     "Clock",
     "MonotonicClock",
+    "ReplayOptions",
     "ReplayProgress",
     "ReplayResult",
     "ReplaySnapshot",
     "build_request_bodies",
+    "describe_error",
     "replay",
     "run_replay",
 ]
@@ -83,6 +97,104 @@ class MonotonicClock:
         delay = deadline - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayOptions:
+    """How a replay runs: one record instead of a long keyword list (like httpx's ``Limits``).
+
+    The seams (clock, transport) and callbacks (progress, stop check) stay arguments of
+    :func:`replay`; everything else is here. Derive variants with ``dataclasses.replace``.
+
+    Attributes:
+        warmup_requests: The first this many requests are marked ``warmup=True``.
+        max_duration_s: Stop after this many seconds: requests not yet sent are recorded as
+            ``"not sent: max duration reached"``, in-flight ones are cancelled and recorded as
+            ``"cancelled: max duration reached"``. None: run until every request finished.
+        endpoint: Path of the completions endpoint.
+        max_connections: Connections in all; must exceed the peak number of requests in
+            flight, or requests queue inside the client and the schedule is not kept.
+        client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
+            (requests go round-robin); keeps httpx's per-request pool overhead small. Few:
+            every pool keeps connections of its own, and the more pools, the more
+            connections sit idle long enough to race the server's idle timeout.
+        keepalive_expiry_s: An idle connection is closed by the client after this many
+            seconds. Below the server's own idle timeout (vLLM's uvicorn: 5 s) with a margin
+            for a busy server, so the client never sends on a connection the server is about
+            to close.
+        retry_reset: A request whose *reused* connection was reset or closed before any
+            response byte arrived (the server closed it as idle, racing the send: it never
+            read the request) is sent once more on a fresh connection and counted in
+            ``ReplayResult.retried``. Its send time stays the first attempt's: those bytes
+            reached the server's socket on time, and the server's stall belongs in the
+            request's TTFT, not in the client's send lag.
+        lean_transport: For ``http`` URLs, send through
+            :class:`~optimizer.workload.http11.LeanTransport` (one pool, a fraction of httpx's
+            per-read CPU cost) instead of httpx's own transport; ``client_shards`` then does
+            not matter. Off: httpx's transport (also used for ``https``).
+        connect_timeout_s: TCP connect timeout.
+        read_timeout_s: Timeout between two reads of a response; None (the default) so a
+            slow first token under heavy load is measured, not cut off.
+        max_send_lag_ms: Bound on the P99 send lag for ``schedule_kept``.
+        progress_interval_s: Minimum seconds between two progress calls.
+        api_key: Sent as a bearer token when given.
+        extra_body: Fields added to every request body.
+        trust_env: Let httpx read proxy settings from the environment; off by default
+            because the replay targets a server the tuner started, and a proxy would distort
+            every latency.
+        stop_check_interval_s: Seconds between two ``stop_check`` calls.
+        start_at: When schedule time zero falls, on the clock's scale (``perf_counter``,
+            system-wide on Linux); None: as soon as everything is prepared. Lets several
+            processes replay parts of one trace on one schedule (:func:`run_replay`'s
+            ``processes``).
+        schedule_origin_s: The ``arrival_s`` that is schedule time zero; None: the first
+            request's.
+        prompt_indices: The index each request's prompt is built from (None: its position).
+    """
+
+    warmup_requests: int = 0
+    max_duration_s: float | None = None
+    endpoint: str = "/v1/completions"
+    max_connections: int = 4096
+    client_shards: int = 4
+    keepalive_expiry_s: float = 3.0
+    retry_reset: bool = True
+    lean_transport: bool = True
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float | None = None
+    max_send_lag_ms: float = 10.0
+    progress_interval_s: float = 0.2
+    api_key: str | None = None
+    extra_body: Mapping[str, Any] | None = None
+    trust_env: bool = False
+    stop_check_interval_s: float = 0.5
+    start_at: float | None = None
+    schedule_origin_s: float | None = None
+    prompt_indices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup_requests < 0:
+            raise ReplayError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.max_duration_s is not None and self.max_duration_s <= 0:
+            raise ReplayError(f"max_duration_s must be positive, got {self.max_duration_s}")
+        if self.keepalive_expiry_s < 0:
+            raise ReplayError(f"keepalive_expiry_s must be >= 0, got {self.keepalive_expiry_s}")
+        if self.max_connections <= 0 or self.client_shards <= 0:
+            raise ReplayError(
+                f"max_connections and client_shards must be positive, "
+                f"got {self.max_connections} and {self.client_shards}"
+            )
+
+
+def _options(options: ReplayOptions | None, overrides: Mapping[str, Any]) -> ReplayOptions:
+    """``options`` (or the defaults) with keyword overrides (the pre-record call style)."""
+    base = options if options is not None else ReplayOptions()
+    if not overrides:
+        return base
+    unknown = sorted(set(overrides) - set(ReplayOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"replay() got unexpected keyword arguments: {', '.join(unknown)}")
+    return dataclasses.replace(base, **overrides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +244,8 @@ class ReplayResult:
         records: One record per trace request, in trace order.
         duration_s: Wall seconds from the clock start to the last request's end.
         p99_send_lag_ms: 99th percentile of ``sent_s - scheduled_s`` over sent measured
-            (non-warm-up) requests (a
+            (non-warm-up) requests, where ``sent_s`` is when the request's first bytes were
+            written to its socket, as the server sees it, not when its task started (a
             request the replay gave up on after its scheduled time counts with the time it had
             waited, so a client that fell behind cannot look punctual); 0 if none was sent.
         max_send_lag_ms: Largest such lag.
@@ -144,6 +257,9 @@ class ReplayResult:
         stopped_early: True when ``max_duration_s`` or ``stop_check`` ended the replay before
             every request finished.
         message: Empty when the schedule was kept; otherwise what went wrong and what to do.
+        stop_reason: Why the replay stopped early ("" when it did not).
+        retried: Requests sent a second time, on a fresh connection, because the server
+            closed their idle connection as they were sent (``ReplayOptions.retry_reset``).
     """
 
     records: tuple[RequestRecord, ...]
@@ -156,6 +272,7 @@ class ReplayResult:
     stopped_early: bool
     message: str = ""
     stop_reason: str = ""
+    retried: int = 0
 
     @property
     def failed(self) -> int:
@@ -166,6 +283,72 @@ class ReplayResult:
 def _snippet(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "..."
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an exception, with the OS error (errno) found in its chain.
+
+    httpx wraps a socket error two or three times (httpx -> httpcore -> anyio), often with
+    empty messages on the way; the first non-empty message of the chain is used and the
+    errno's symbolic name is added, so a record says ``ReadError: [Errno 104] Connection
+    reset by peer (ECONNRESET)``. Without any message, the chain's types are listed.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    message = next((str(e) for e in chain if str(e)), "")
+    os_error = next((e for e in chain if isinstance(e, OSError) and e.errno), None)
+    text = type(exc).__name__
+    if message:
+        text += f": {_snippet(message)}"
+    if os_error is not None and os_error.errno is not None:
+        code = os_error.errno
+        name = errno.errorcode.get(code, str(code))
+        if message != str(os_error):
+            text += f" [Errno {code}] {os.strerror(code)}"
+        text += f" ({name})"
+    elif not message:
+        causes = " <- ".join(type(e).__name__ for e in chain[1:])
+        text += f" (from {causes})" if causes else " (raised without a message or an OS error)"
+    return text
+
+
+def _reset_before_response(exc: BaseException) -> bool:
+    """True for a connection closed or reset under a request before any response byte."""
+    return isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+
+
+class _Attempt:
+    """What httpcore's ``trace`` hooks tell about one attempt to send a request.
+
+    ``sent_s``: when the request line and headers were written to the socket (the server can
+    read them from then on); ``fresh``: the attempt opened a connection instead of reusing
+    an idle one. Passed as the request's ``trace`` extension.
+    """
+
+    __slots__ = ("clock", "fresh", "sent_s", "sent_s_first", "t0")
+
+    def __init__(self, clock: Clock, t0: float) -> None:
+        self.clock = clock
+        self.t0 = t0
+        self.sent_s: float | None = None
+        self.sent_s_first: float | None = None  # an earlier attempt's, when this is a retry
+        self.fresh = False
+
+    def send_time(self, dispatched_s: float) -> float:
+        """The request's send time: the first socket write of any attempt."""
+        for sent_s in (self.sent_s_first, self.sent_s):
+            if sent_s is not None:
+                return sent_s
+        return dispatched_s
+
+    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
+        if name == "http11.send_request_headers.complete":
+            self.sent_s = self.clock.now() - self.t0
+        elif name == "connection.connect_tcp.started":
+            self.fresh = True
 
 
 def _preload_lazy_imports() -> None:
@@ -186,6 +369,7 @@ def build_request_bodies(
     vocab: TokenRange,
     seed: int,
     extra_body: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | None = None,
 ) -> list[bytes]:
     """JSON-encode the ``/v1/completions`` body of every request of a trace.
 
@@ -199,13 +383,16 @@ def build_request_bodies(
         vocab: Token ids the prompts may use.
         seed: Prompt seed.
         extra_body: Fields added to (or overriding) every body, e.g. ``{"temperature": 1.0}``.
+        indices: Each request's index for its prompt (default: its position), so that a part
+            of a trace replayed apart builds the prompts the whole trace would.
 
     Returns:
         One body per request, in trace order.
     """
     extra = dict(extra_body or {})
     bodies: list[bytes] = []
-    for index, request in enumerate(trace.requests):
+    positions = indices if indices is not None else range(len(trace.requests))
+    for index, request in zip(positions, trace.requests, strict=True):
         body: dict[str, Any] = {
             "model": model,
             "prompt": build_prompt_ids(
@@ -232,6 +419,7 @@ class _Run:
         self,
         *,
         clients: Sequence[httpx.AsyncClient],
+        retry_client: httpx.AsyncClient | None,
         connections_per_client: int,
         requests: Sequence[httpx.Request],
         scheduled_s: Sequence[float],
@@ -243,6 +431,8 @@ class _Run:
         progress_interval_s: float,
     ) -> None:
         self.clients = clients
+        self.retry_client = retry_client
+        self.retried = 0
         self.connections_per_client = connections_per_client
         # Requests in flight per client: more than its connections means queueing in its pool.
         self.in_flight_per_client = [0] * len(clients)
@@ -335,11 +525,12 @@ class _Run:
         clock = self.clock
         t0 = self.t0
         wanted = self.wanted_tokens[index]
-        # Stamped before any await, so the lag includes the dispatcher's and the loop's delay.
-        sent_s = clock.now() - t0
+        # Stamped before any await: the send time until the socket write says otherwise
+        # (requests that fail before they reach a socket, transports without trace hooks).
+        dispatched_s = clock.now() - t0
         shard = index % len(self.clients)
         self.sent += 1
-        self.in_flight_sent[index] = sent_s
+        self.in_flight_sent[index] = dispatched_s
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         self.in_flight_per_client[shard] += 1
@@ -351,8 +542,29 @@ class _Run:
         usage_tokens: int | None = None
         done_s: float | None = None
         error: str | None = None
+        request = self.requests[index]
+        attempt = _Attempt(clock, t0)
+        request.extensions["trace"] = attempt
         try:
-            response = await self.clients[shard].send(self.requests[index], stream=True)
+            try:
+                response = await self.clients[shard].send(request, stream=True)
+            except httpx.TransportError as exc:
+                # The server closed an idle connection as the request went out on it: it
+                # never read the request, so sending it again cannot count it twice.
+                if self.retry_client is None or attempt.fresh or not _reset_before_response(exc):
+                    raise
+                self.retried += 1
+                logger.info(
+                    "request %d: %s on a reused connection before any response; "
+                    "retrying on a fresh one",
+                    index,
+                    describe_error(exc),
+                )
+                first_sent_s = attempt.sent_s
+                attempt = _Attempt(clock, t0)
+                attempt.sent_s_first = first_sent_s
+                request.extensions["trace"] = attempt
+                response = await self.retry_client.send(request, stream=True)
             try:
                 if response.status_code != 200:
                     body = await response.aread()
@@ -362,7 +574,7 @@ class _Run:
                     )
                 else:
                     parser = SSEParser()
-                    async for data in response.aiter_bytes():
+                    async for data in response.aiter_raw():
                         now_s = clock.now() - t0
                         for event in parser.feed(data):
                             if isinstance(event, TextEvent):
@@ -386,17 +598,19 @@ class _Run:
                 await response.aclose()
         except asyncio.CancelledError:
             error = _CANCELLED.format(reason=self.cancel_reason)
+            sent_s = attempt.send_time(dispatched_s)
             self._finish(index, sent_s, chunk_times, usage_tokens, None, error)
             self.in_flight_per_client[shard] -= 1
             raise
         except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {_snippet(str(exc)) or 'no detail'}"
+            error = describe_error(exc)
 
         output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
         if error is None and done_s is None:
             error = "stream ended without [DONE]"
         if error is None and output_tokens < wanted:
             error = f"short output: {output_tokens} of {wanted} tokens"
+        sent_s = attempt.send_time(dispatched_s)
         self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
         self.in_flight_per_client[shard] -= 1
 
@@ -510,23 +724,12 @@ async def replay(
     *,
     vocab: TokenRange,
     seed: int,
-    warmup_requests: int = 0,
-    max_duration_s: float | None = None,
+    options: ReplayOptions | None = None,
     clock: Clock | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     progress: Callable[[ReplayProgress], None] | None = None,
-    endpoint: str = "/v1/completions",
-    max_connections: int = 4096,
-    client_shards: int = 16,
-    connect_timeout_s: float = 10.0,
-    read_timeout_s: float | None = None,
-    max_send_lag_ms: float = 10.0,
-    progress_interval_s: float = 0.2,
-    api_key: str | None = None,
-    extra_body: Mapping[str, Any] | None = None,
-    trust_env: bool = False,
     stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
-    stop_check_interval_s: float = 0.5,
+    **overrides: Any,
 ) -> ReplayResult:
     """Replay a trace open-loop and record every request.
 
@@ -537,34 +740,19 @@ async def replay(
         model: Served model name sent in every body.
         vocab: Token ids prompts may use (see :class:`~optimizer.workload.prompts.TokenRange`).
         seed: Prompt seed (see :func:`~optimizer.workload.prompts.build_prompt_ids`).
-        warmup_requests: The first this many requests are marked ``warmup=True``.
-        max_duration_s: Stop after this many seconds: requests not yet sent are recorded as
-            ``"not sent: max duration reached"``, in-flight ones are cancelled and recorded as
-            ``"cancelled: max duration reached"``. None: run until every request finished.
+        options: How to run (:class:`ReplayOptions`); the defaults when None.
         clock: Time source and sleeper; :class:`MonotonicClock` when None.
         transport: httpx transport (tests pass ``httpx.MockTransport``); when given, the
-            connection limits below are the transport's business.
+            connection limits of ``options`` are the transport's business.
         progress: Called with a :class:`ReplayProgress` at most once per
-            ``progress_interval_s`` while requests are sent or finish, and once at the end.
-        endpoint: Path of the completions endpoint.
-        max_connections: Connections in all; must exceed the peak number of requests in
-            flight, or requests queue inside the client and the schedule is not kept.
-        client_shards: Number of ``httpx.AsyncClient`` pools the connections are split over
-            (requests go round-robin); keeps httpx's per-request pool overhead small.
-        connect_timeout_s: TCP connect timeout.
-        read_timeout_s: Timeout between two reads of a response; None (the default) so a
-            slow first token under heavy load is measured, not cut off.
-        max_send_lag_ms: Bound on the P99 send lag for ``schedule_kept``.
-        progress_interval_s: Minimum seconds between two progress calls.
-        api_key: Sent as a bearer token when given.
-        extra_body: Fields added to every request body.
-        trust_env: Let httpx read proxy settings from the environment; off by default
-            because the replay targets a server the tuner started, and a proxy would distort
-            every latency.
-        stop_check: Called every ``stop_check_interval_s`` with a :class:`ReplaySnapshot`;
-            returning a reason stops the replay like ``max_duration_s`` does (early stop of a
-            trial whose SLOs can no longer be met), with the reason in ``stop_reason``.
-        stop_check_interval_s: Seconds between two ``stop_check`` calls.
+            ``options.progress_interval_s`` while requests are sent or finish, and once at
+            the end.
+        stop_check: Called every ``options.stop_check_interval_s`` with a
+            :class:`ReplaySnapshot`; returning a reason stops the replay like
+            ``max_duration_s`` does (early stop of a trial whose SLOs can no longer be met),
+            with the reason in ``stop_reason``.
+        **overrides: Fields of :class:`ReplayOptions` given as keywords (replacing those of
+            ``options``), so ``replay(..., warmup_requests=10)`` keeps working.
 
     Returns:
         The records of all requests in trace order and the client's fidelity.
@@ -574,37 +762,59 @@ async def replay(
     """
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
-    if warmup_requests < 0:
-        raise ReplayError(f"warmup_requests must be >= 0, got {warmup_requests}")
-    if max_duration_s is not None and max_duration_s <= 0:
-        raise ReplayError(f"max_duration_s must be positive, got {max_duration_s}")
-    if max_connections <= 0 or client_shards <= 0:
-        raise ReplayError(
-            f"max_connections and client_shards must be positive, "
-            f"got {max_connections} and {client_shards}"
-        )
+    opts = _options(options, overrides)
     clock = clock if clock is not None else MonotonicClock()
 
-    first_arrival_s = trace.requests[0].arrival_s
+    first_arrival_s = (
+        opts.schedule_origin_s
+        if opts.schedule_origin_s is not None
+        else trace.requests[0].arrival_s
+    )
     scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
     if any(b < a for a, b in itertools.pairwise(scheduled_s)):
         raise ReplayError("trace requests must be sorted by arrival_s")
-    bodies = build_request_bodies(trace, model, vocab=vocab, seed=seed, extra_body=extra_body)
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    bodies = build_request_bodies(
+        trace,
+        model,
+        vocab=vocab,
+        seed=seed,
+        extra_body=opts.extra_body,
+        indices=opts.prompt_indices,
+    )
+    # identity: no decoder layer on the stream (vLLM does not compress it anyway).
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "text/event-stream",
+        "Accept-Encoding": "identity",
+    }
+    if opts.api_key:
+        headers["Authorization"] = f"Bearer {opts.api_key}"
 
-    shards = max(1, min(client_shards, max_connections))
-    connections_per_client = -(-max_connections // shards)
+    lean = transport is None and opts.lean_transport and url.startswith("http:")
+    shards = 1 if lean else max(1, min(opts.client_shards, opts.max_connections))
+    connections_per_client = -(-opts.max_connections // shards)
     limits = httpx.Limits(
         max_connections=connections_per_client,
         max_keepalive_connections=connections_per_client,
-        keepalive_expiry=60.0,
+        keepalive_expiry=opts.keepalive_expiry_s,
     )
     # pool=None: a request waiting for a connection is a client problem reported through
     # schedule_kept, never a timeout; read=None: a slow first token is data.
-    timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None)
+    timeout = httpx.Timeout(
+        connect=opts.connect_timeout_s, read=opts.read_timeout_s, write=60.0, pool=None
+    )
     _preload_lazy_imports()
+    # One TLS context for every pool: each would otherwise load the CA bundle (tens of ms).
+    ssl_context = httpx.create_ssl_context() if url.startswith("https:") else False
+    retry_transport = transport
+    if lean:
+        transport = LeanTransport(
+            keepalive_expiry_s=opts.keepalive_expiry_s, connect_timeout_s=opts.connect_timeout_s
+        )
+        # Expiry 0: never reuses a connection, so a retry always gets a fresh one.
+        retry_transport = LeanTransport(
+            keepalive_expiry_s=0.0, connect_timeout_s=opts.connect_timeout_s
+        )
     async with contextlib.AsyncExitStack() as stack:
         # Several small pools instead of one big one: httpcore's pool bookkeeping costs
         # O(connections^2) per request and event (encode/httpx#3215), so one pool of
@@ -616,29 +826,46 @@ async def replay(
                     transport=transport,
                     limits=limits,
                     timeout=timeout,
-                    trust_env=trust_env,
+                    trust_env=opts.trust_env,
+                    verify=ssl_context,
                 )
             )
             for _ in range(shards)
         ]
+        # Retries go on connections of their own, never reused: a fresh one each time.
+        retry_client = None
+        if opts.retry_reset:
+            retry_client = await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url,
+                    transport=retry_transport,
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                    timeout=timeout,
+                    trust_env=opts.trust_env,
+                    verify=ssl_context,
+                )
+            )
         requests = [
-            clients[index % shards].build_request("POST", endpoint, content=body, headers=headers)
+            clients[index % shards].build_request(
+                "POST", opts.endpoint, content=body, headers=headers
+            )
             for index, body in enumerate(bodies)
         ]
         del bodies
         run = _Run(
             clients=clients,
+            retry_client=retry_client,
             connections_per_client=connections_per_client,
             requests=requests,
             scheduled_s=scheduled_s,
             wanted_tokens=[r.output_tokens for r in trace.requests],
             input_tokens=[r.input_tokens for r in trace.requests],
-            warmup_requests=warmup_requests,
+            warmup_requests=opts.warmup_requests,
             clock=clock,
             progress=progress,
-            progress_interval_s=progress_interval_s,
+            progress_interval_s=opts.progress_interval_s,
         )
-        run.t0 = clock.now()
+        run.t0 = clock.now() if opts.start_at is None else opts.start_at
         main = asyncio.create_task(run.main())
         timer: asyncio.Task[None] | None = None
         watcher: asyncio.Task[str] | None = None
@@ -646,11 +873,11 @@ async def replay(
         stop_reason = ""
         try:
             waiting: set[asyncio.Task[Any]] = {main}
-            if max_duration_s is not None:
-                timer = asyncio.create_task(clock.sleep_until(run.t0 + max_duration_s))
+            if opts.max_duration_s is not None:
+                timer = asyncio.create_task(clock.sleep_until(run.t0 + opts.max_duration_s))
                 waiting.add(timer)
             if stop_check is not None:
-                watcher = asyncio.create_task(run.watch(stop_check, stop_check_interval_s))
+                watcher = asyncio.create_task(run.watch(stop_check, opts.stop_check_interval_s))
                 waiting.add(watcher)
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if main in done:
@@ -684,9 +911,9 @@ async def replay(
     p99_ms, max_ms, kept, message = _judge(
         records,
         stop_s=stop_s,
-        bound_ms=max_send_lag_ms,
+        bound_ms=opts.max_send_lag_ms,
         pool_overflow=run.pool_overflow,
-        max_connections=max_connections,
+        max_connections=opts.max_connections,
     )
     if not kept:
         logger.warning("%s", message)
@@ -695,71 +922,122 @@ async def replay(
         duration_s=duration_s,
         p99_send_lag_ms=p99_ms,
         max_send_lag_ms=max_ms,
-        max_send_lag_bound_ms=max_send_lag_ms,
+        max_send_lag_bound_ms=opts.max_send_lag_ms,
         peak_in_flight=run.peak_in_flight,
         schedule_kept=kept,
         stopped_early=stopped_early,
         message=message,
         stop_reason=stop_reason,
+        retried=run.retried,
     )
 
 
 def run_replay(
-    trace: Trace,
-    url: str,
-    model: str,
-    *,
-    vocab: TokenRange,
-    seed: int,
-    warmup_requests: int = 0,
-    max_duration_s: float | None = None,
-    clock: Clock | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    progress: Callable[[ReplayProgress], None] | None = None,
-    endpoint: str = "/v1/completions",
-    max_connections: int = 4096,
-    client_shards: int = 16,
-    connect_timeout_s: float = 10.0,
-    read_timeout_s: float | None = None,
-    max_send_lag_ms: float = 10.0,
-    progress_interval_s: float = 0.2,
-    api_key: str | None = None,
-    extra_body: Mapping[str, Any] | None = None,
-    trust_env: bool = False,
-    stop_check: Callable[[ReplaySnapshot], str | None] | None = None,
-    stop_check_interval_s: float = 0.5,
+    trace: Trace, url: str, model: str, *, processes: int = 1, **kwargs: Any
 ) -> ReplayResult:
     """Run :func:`replay` in a fresh event loop (for synchronous callers).
 
     Ctrl-C cancels the replay: in-flight requests are cancelled, the client is closed, and
-    ``KeyboardInterrupt`` propagates. Arguments are those of :func:`replay`.
+    ``KeyboardInterrupt`` propagates. Keyword arguments are those of :func:`replay`.
+
+    Args:
+        trace: The trace.
+        url: Base URL of the server.
+        model: Served model name.
+        processes: Client processes (one event loop each, for rates one core cannot keep):
+            request ``i`` goes to process ``i % processes``, all on one schedule; prompts are
+            those of a single-process replay. Not with ``progress``, ``stop_check``,
+            ``clock`` or ``transport``.
+        **kwargs: As for :func:`replay`.
 
     Returns:
-        The :class:`ReplayResult`.
+        The :class:`ReplayResult` (merged over the processes, judged as a whole).
     """
-    return asyncio.run(
-        replay(
-            trace,
-            url,
-            model,
-            vocab=vocab,
-            seed=seed,
-            warmup_requests=warmup_requests,
-            max_duration_s=max_duration_s,
-            clock=clock,
-            transport=transport,
-            progress=progress,
-            endpoint=endpoint,
-            max_connections=max_connections,
-            client_shards=client_shards,
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-            max_send_lag_ms=max_send_lag_ms,
-            progress_interval_s=progress_interval_s,
-            api_key=api_key,
-            extra_body=extra_body,
-            trust_env=trust_env,
-            stop_check=stop_check,
-            stop_check_interval_s=stop_check_interval_s,
+    if processes <= 1:
+        return asyncio.run(replay(trace, url, model, **kwargs))
+    return _run_in_processes(trace, url, model, processes, kwargs)
+
+
+_PROCESS_START_MARGIN_S = 3.0
+
+
+def _replay_part(
+    trace: Trace, url: str, model: str, vocab: TokenRange, seed: int, options: ReplayOptions
+) -> ReplayResult:
+    """One process's part of a multi-process replay (runs in that process)."""
+    return asyncio.run(replay(trace, url, model, vocab=vocab, seed=seed, options=options))
+
+
+def _run_in_processes(
+    trace: Trace, url: str, model: str, processes: int, kwargs: dict[str, Any]
+) -> ReplayResult:
+    import concurrent.futures
+    import multiprocessing
+
+    for name in ("progress", "stop_check", "clock", "transport"):
+        if kwargs.get(name) is not None:
+            raise ReplayError(f"run_replay(processes={processes}) does not take {name}")
+    if not trace.requests:
+        raise ReplayError("cannot replay an empty trace")
+    vocab, seed = kwargs.pop("vocab"), kwargs.pop("seed")
+    options = _options(
+        kwargs.pop("options", None),
+        {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("progress", "stop_check", "clock", "transport")
+        },
+    )
+    origin = trace.requests[0].arrival_s
+    parts = []
+    for p in range(min(processes, len(trace.requests))):
+        indices = tuple(range(p, len(trace.requests), processes))
+        part = dataclasses.replace(trace, requests=tuple(trace.requests[i] for i in indices))
+        part_options = dataclasses.replace(
+            options,
+            schedule_origin_s=origin,
+            prompt_indices=indices,
+            warmup_requests=max(0, -(-(options.warmup_requests - p) // processes)),
         )
+        parts.append((indices, part, part_options))
+    # Every process starts its clock at the same instant, once all can have started.
+    start_at = time.perf_counter() + _PROCESS_START_MARGIN_S
+    parts = [
+        (indices, part, dataclasses.replace(part_options, start_at=start_at))
+        for indices, part, part_options in parts
+    ]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(parts), mp_context=context) as pool:
+        futures = [
+            pool.submit(_replay_part, part, url, model, vocab, seed, part_options)
+            for _, part, part_options in parts
+        ]
+        results = [future.result() for future in futures]
+    records: list[RequestRecord | None] = [None] * len(trace.requests)
+    for (indices, _, _), result in zip(parts, results, strict=True):
+        for record in result.records:
+            records[indices[record.index]] = dataclasses.replace(
+                record, index=indices[record.index]
+            )
+    merged = tuple(r for r in records if r is not None)
+    stop_s = max(r.end_s for r in merged)
+    p99_ms, max_ms, kept, message = _judge(
+        merged,
+        stop_s=stop_s,
+        bound_ms=options.max_send_lag_ms,
+        pool_overflow=sum(not r.schedule_kept and "max_connections" in r.message for r in results),
+        max_connections=options.max_connections,
+    )
+    return ReplayResult(
+        records=merged,
+        duration_s=max(r.duration_s for r in results),
+        p99_send_lag_ms=p99_ms,
+        max_send_lag_ms=max_ms,
+        max_send_lag_bound_ms=options.max_send_lag_ms,
+        peak_in_flight=sum(r.peak_in_flight for r in results),
+        schedule_kept=kept,
+        stopped_early=any(r.stopped_early for r in results),
+        message=message,
+        stop_reason=next((r.stop_reason for r in results if r.stop_reason), ""),
+        retried=sum(r.retried for r in results),
     )

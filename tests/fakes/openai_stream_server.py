@@ -9,11 +9,19 @@ measures the *client*: the benchmarks use it to find the request rate a replayer
 
 It records the arrival time (``time.monotonic()``, the system-wide monotonic clock on Linux, so
 comparable across processes) of every completion request; ``GET /arrivals`` returns them as
-JSON and ``POST /arrivals/reset`` clears them. Also answers ``GET /health`` and
+JSON and ``POST /arrivals/reset`` clears them (and the timings). ``GET /timings`` returns, per
+streamed completion, its arrival and the times each token chunk was written (same clock): what
+the server actually did, the truth a client's TTFT and ITL are checked against. Also answers ``GET /health`` and
 ``GET /v1/models``.
 
+With ``keepalive_s`` it closes idle connections the way vLLM's server (uvicorn on uvloop, whose
+idle timeout is 5 s) does, race included: a request read from a connection that has been idle
+longer than ``keepalive_s`` is not answered, the connection is reset (after a stall, such as
+``SIGSTOP``, libuv runs the overdue idle timer before it reads the request that is waiting).
+``GET /stats`` counts the idle connections it closed and the requests lost that way.
+
 Run it with ``python -m tests.fakes.openai_stream_server --port 8000 [--ttft-ms 0]
-[--itl-ms 0]``; it prints ``listening on <port>`` once it accepts connections (``--port 0``
+[--itl-ms 0] [--keepalive-s 5]``; it prints ``listening on <port>`` once it accepts connections (``--port 0``
 picks a free port).
 """
 
@@ -24,6 +32,8 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
+import struct
 import time
 from typing import Any
 
@@ -48,7 +58,10 @@ class FakeOpenAIServer:
         host: Address to bind.
         port: Port to bind (0 picks a free one; read :attr:`port` after :meth:`start`).
         ttft_s: Delay before the first token chunk.
-        itl_s: Delay between token chunks (0: all chunks in one write).
+        itl_s: Delay between token chunks (0: all chunks in one write). Tokens are written at
+            absolute deadlines (first token + ``k * itl_s``), so timer lateness never adds up.
+        keepalive_s: Idle timeout of a connection between two requests (None: none).
+        vocab: Reject (HTTP 400, as vLLM does) token-id prompts with an id at or above this.
         token_text: Text of every token chunk.
         model: Model name reported by ``/v1/models``.
     """
@@ -62,6 +75,8 @@ class FakeOpenAIServer:
         itl_s: float = 0.0,
         token_text: str = " tok",
         model: str = "fake-model",
+        keepalive_s: float | None = None,
+        vocab: int | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -69,8 +84,13 @@ class FakeOpenAIServer:
         self.itl_s = itl_s
         self.token_text = token_text
         self.model = model
+        self.keepalive_s = keepalive_s
+        self.vocab = vocab
+        self.idle_closes = 0
+        self.lost_requests = 0
         self.arrivals: list[float] = []
         self.prompt_lengths: list[int] = []
+        self.timings: list[list[float]] = []
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -94,13 +114,35 @@ class FakeOpenAIServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        idle_since: float | None = None
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    if self.keepalive_s is not None and idle_since is not None:
+                        head = await asyncio.wait_for(
+                            reader.readuntil(b"\r\n\r\n"), self.keepalive_s
+                        )
+                    else:
+                        head = await reader.readuntil(b"\r\n\r\n")
+                except TimeoutError:
+                    # A request may be waiting already: the timer ran before the read.
+                    self.idle_closes += 1
+                    self.lost_requests += bool(reader._buffer)  # type: ignore[attr-defined]
+                    self._reset(writer)
+                    return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 arrival = time.monotonic()
+                if (
+                    self.keepalive_s is not None
+                    and idle_since is not None
+                    and arrival - idle_since > self.keepalive_s
+                ):
+                    # The idle timer was due before this read: it wins, the request is lost.
+                    self.idle_closes += 1
+                    self.lost_requests += 1
+                    self._reset(writer)
+                    return
                 request_line, *header_lines = head.decode("latin-1").split("\r\n")
                 method, path, _version = request_line.split(" ", 2)
                 headers = {}
@@ -112,6 +154,7 @@ class FakeOpenAIServer:
                 body = await reader.readexactly(length) if length else b""
                 keep_alive = headers.get("connection", "").lower() != "close"
                 await self._route(method, path, body, arrival, writer)
+                idle_since = time.monotonic()
                 if not keep_alive:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -122,6 +165,14 @@ class FakeOpenAIServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    @staticmethod
+    def _reset(writer: asyncio.StreamWriter) -> None:
+        """Close with a TCP reset, as a close with an unread request in the socket does."""
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
     async def _route(
         self, method: str, path: str, body: bytes, arrival: float, writer: asyncio.StreamWriter
     ) -> None:
@@ -130,13 +181,24 @@ class FakeOpenAIServer:
         elif method == "GET" and path == "/health":
             self._respond(writer, 200, b"")
         elif method == "GET" and path == "/v1/models":
-            models = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            card = {"id": self.model, "object": "model", "root": f"/nonexistent/{self.model}"}
+            models = {"object": "list", "data": [card]}
             self._respond(writer, 200, json.dumps(models).encode())
+        elif method == "GET" and path == "/stats":
+            stats = {
+                "idle_closes": self.idle_closes,
+                "lost_requests": self.lost_requests,
+                "completions": len(self.arrivals),
+            }
+            self._respond(writer, 200, json.dumps(stats).encode())
+        elif method == "GET" and path == "/timings":
+            self._respond(writer, 200, json.dumps(self.timings).encode())
         elif method == "GET" and path == "/arrivals":
             self._respond(writer, 200, json.dumps(self.arrivals).encode())
         elif method == "POST" and path == "/arrivals/reset":
             self.arrivals.clear()
             self.prompt_lengths.clear()
+            self.timings.clear()
             self._respond(writer, 200, b"{}")
         else:
             self._respond(writer, 404, b'{"error": {"message": "not found"}}')
@@ -156,6 +218,14 @@ class FakeOpenAIServer:
             prompt = request.get("prompt", "")
         except (ValueError, TypeError, AttributeError):
             self._respond(writer, 400, b'{"error": {"message": "bad request body"}}')
+            return
+        if (
+            self.vocab is not None
+            and isinstance(prompt, list)
+            and max(prompt, default=0) >= self.vocab
+        ):
+            message = f"Token id {max(prompt)} is out of vocabulary"
+            self._respond(writer, 400, json.dumps({"error": {"message": message}}).encode())
             return
         self.arrivals.append(arrival)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
@@ -184,9 +254,13 @@ class FakeOpenAIServer:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
+        timing = [arrival]
+        self.timings.append(timing)
+        loop = asyncio.get_running_loop()
+        first_token_at = loop.time() + self.ttft_s
         if self.ttft_s:
             await writer.drain()
-            await asyncio.sleep(self.ttft_s)
+            await asyncio.sleep(first_token_at - loop.time())
         for i in range(n_tokens):
             last = i == n_tokens - 1
             event = {
@@ -205,9 +279,10 @@ class FakeOpenAIServer:
                 "usage": None,
             }
             writer.write(_chunk(_sse(event)))
+            timing.append(time.monotonic())
             if self.itl_s and not last:
                 await writer.drain()
-                await asyncio.sleep(self.itl_s)
+                await asyncio.sleep(max(0.0, first_token_at + (i + 1) * self.itl_s - loop.time()))
         if (request.get("stream_options") or {}).get("include_usage"):
             usage = {
                 "id": "cmpl-fake",
@@ -227,7 +302,12 @@ class FakeOpenAIServer:
 
 async def _amain(args: argparse.Namespace) -> None:
     server = FakeOpenAIServer(
-        args.host, args.port, ttft_s=args.ttft_ms / 1e3, itl_s=args.itl_ms / 1e3
+        args.host,
+        args.port,
+        ttft_s=args.ttft_ms / 1e3,
+        itl_s=args.itl_ms / 1e3,
+        keepalive_s=args.keepalive_s,
+        vocab=args.vocab,
     )
     port = await server.start()
     print(f"listening on {port}", flush=True)
@@ -246,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token")
     parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between tokens")
+    parser.add_argument(
+        "--keepalive-s", type=float, default=None, help="idle timeout of a connection"
+    )
+    parser.add_argument("--vocab", type=int, default=None, help="reject token ids at or above")
     asyncio.run(_amain(parser.parse_args(argv)))
 
 

@@ -778,6 +778,19 @@ def test_prompt_text_is_fresh_per_request_index() -> None:
     assert len(prompt_text(request, 5, 16)) == 64
 
 
+def test_export_vllm_custom_seed_changes_prompts_and_reaches_vllm_bench(tmp_path: Path) -> None:
+    trace = Trace(requests=(TraceRequest(0.0, 24, 1, (3,)), TraceRequest(1.0, 24, 1, (3,))))
+    args0 = export_vllm_custom(trace, tmp_path / "s0.jsonl")
+    args7 = export_vllm_custom(trace, tmp_path / "s7.jsonl", seed=7)
+    rows0 = [json.loads(line) for line in (tmp_path / "s0.jsonl").read_text().splitlines()]
+    rows7 = [json.loads(line) for line in (tmp_path / "s7.jsonl").read_text().splitlines()]
+    assert args0[args0.index("--seed") + 1] == "0" and args7[args7.index("--seed") + 1] == "7"
+    assert [r["prompt"] for r in rows0] != [r["prompt"] for r in rows7]
+    assert [len(r["prompt"]) for r in rows7] == [24, 24]
+    assert rows7[0]["prompt"][:16] == rows7[1]["prompt"][:16]  # the shared block still shared
+    assert prompt_text(trace.requests[0], 0, 16) == prompt_text(trace.requests[0], 0, 16, 0)
+
+
 def test_export_of_a_trace_without_duration_asks_for_infinite_rate(tmp_path: Path) -> None:
     trace = Trace(requests=(TraceRequest(0.0, 4, 1), TraceRequest(0.0, 4, 1)))
     args = export_vllm_custom(trace, tmp_path / "c.jsonl")

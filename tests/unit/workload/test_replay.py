@@ -14,7 +14,14 @@ import pytest
 from optimizer.errors import ReplayError
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, replay
+from optimizer.workload.replay import (
+    ReplayOptions,
+    ReplayProgress,
+    ReplayResult,
+    ReplaySnapshot,
+    build_request_bodies,
+    replay,
+)
 
 VOCAB = TokenRange(256, 1000)
 URL = "http://fake"
@@ -356,3 +363,35 @@ def test_pool_overflow_makes_schedule_not_kept() -> None:
     result = run(make_trace([0.0, 0.1]), server, clock, max_connections=1)
     assert all(r.ok for r in result.records)
     assert not result.schedule_kept and "max_connections" in result.message
+
+
+def test_options_record_and_keyword_overrides() -> None:
+    clock = FakeClock()
+    options = ReplayOptions(warmup_requests=1, max_send_lag_ms=50.0)
+    result = run(make_trace([0.0, 0.1, 0.2]), FakeServer(clock), clock, options=options)
+    assert [r.warmup for r in result.records] == [True, False, False]
+    assert result.max_send_lag_bound_ms == 50.0
+    # A keyword replaces the record's field (the pre-record call style keeps working).
+    clock = FakeClock()
+    result = run(
+        make_trace([0.0, 0.1]), FakeServer(clock), clock, options=options, warmup_requests=0
+    )
+    assert [r.warmup for r in result.records] == [False, False]
+    with pytest.raises(TypeError, match="no_such_option"):
+        run(make_trace([0.0]), FakeServer(clock), clock, no_such_option=1)
+    with pytest.raises(ReplayError):
+        ReplayOptions(client_shards=0)
+
+
+def test_a_part_of_a_trace_builds_the_prompts_the_whole_trace_would() -> None:
+    trace = Trace(
+        tuple(TraceRequest(i * 0.1, 12, 2, prefix_blocks=(i % 2,)) for i in range(6)),
+        block_size=4,
+    )
+    whole = build_request_bodies(trace, "m", vocab=VOCAB, seed=5)
+    indices = (1, 3, 5)
+    part = Trace(tuple(trace.requests[i] for i in indices), block_size=4)
+    assert build_request_bodies(part, "m", vocab=VOCAB, seed=5, indices=indices) == [
+        whole[i] for i in indices
+    ]
+    assert build_request_bodies(part, "m", vocab=VOCAB, seed=5) != [whole[i] for i in indices]
