@@ -13,8 +13,15 @@ for configurations, rejects invalid combinations before any engine starts, hands
   told as complete with worst-case values and violated constraints: the sampler learns where
   the feasible region ends;
 - a replay whose client could not keep the schedule is re-run, never scored;
+- a cancelled trial is failed with status ``cancelled``: a cancel is not a result;
+- without SLOs every told trial carries one constraint, ``engine_served`` (met when the engine
+  served), so measured and failed trials have the same constraints (Optuna's samplers compare
+  them) and the feasible front holds the measured ones;
 - a driver that dies leaves RUNNING trials; the next driver fails them (same host: the dead
-  pid; elsewhere: Optuna's heartbeat) and re-enqueues their configurations, so none is lost.
+  pid; elsewhere: Optuna's heartbeat) and re-enqueues their configurations, so none is lost;
+- a resumed study re-seeds its sampler from the number of trials it holds (the same seed would
+  replay the first driver's proposals), and a proposal the study already measured starts no
+  engine: it is failed with status ``duplicate`` and counts toward the trial count.
 
 Imports optuna, never ray or mlflow (those live behind the runner and tracking seams).
 """
@@ -60,6 +67,8 @@ __all__ = [
 BASELINE_ATTR = "baseline"
 STATUS_ATTR = "status"
 _DRIVER_ATTR = "driver"
+# Without SLOs, the one constraint every told trial carries: the engine served (<= 0) or not.
+_SERVED = "engine_served"
 
 
 @dataclass(frozen=True)
@@ -340,16 +349,22 @@ def create_storage(
     )
 
 
-def _sampler(job: JobConfig) -> optuna.samplers.BaseSampler:
+def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler:
+    """The job's sampler; ``resumed_at``: trials the study already holds.
+
+    A seeded sampler restarts its random sequence in every new driver, so a resumed study would
+    propose the first driver's configurations again: the seed is offset by the trial count.
+    """
     s = job.sampler
+    seed = None if s.seed is None else s.seed + resumed_at
     if s.name == "random":
-        return optuna.samplers.RandomSampler(seed=s.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "gp":
-        return optuna.samplers.GPSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials)
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
     # parallel trials from proposing the same configuration.
     return optuna.samplers.TPESampler(
-        seed=s.seed,
+        seed=seed,
         multivariate=True,
         group=True,
         constant_liar=True,
@@ -428,6 +443,9 @@ class StudyDriver:
         )
         if not self.study.metric_names:
             self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
+        held = len(self.study.get_trials(deepcopy=False))
+        if held:
+            self.study.sampler = _sampler(job, resumed_at=held)
         self.started_at = now()
         self.deadline: datetime | None = None
         if job.budget:
@@ -449,7 +467,8 @@ class StudyDriver:
             if t.state in (TrialState.COMPLETE, TrialState.RUNNING)
             or (
                 t.state == TrialState.FAIL
-                and t.user_attrs.get(STATUS_ATTR) == TrialStatus.INVALID_REPLAY.value
+                and t.user_attrs.get(STATUS_ATTR)
+                in (TrialStatus.INVALID_REPLAY.value, TrialStatus.DUPLICATE.value)
             )
         )
 
@@ -590,7 +609,18 @@ class StudyDriver:
             args = dict(self.plan.baseline_args)
         else:
             args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
-        trial.set_user_attr("engine_args", json.dumps(args, sort_keys=True, default=str))
+        encoded = json.dumps(args, sort_keys=True, default=str)
+        twin = self._measured_twin(encoded)
+        trial.set_user_attr("engine_args", encoded)
+        if twin is not None:
+            # A resumed seeded sampler, or an exhausted space: never measure a configuration
+            # twice in one study.
+            trial.set_user_attr(STATUS_ATTR, TrialStatus.DUPLICATE.value)
+            trial.set_user_attr("duplicate_of", twin)
+            trial.set_user_attr("message", f"trial {twin} measured this configuration")
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.on_event(StudyEvent("rejected", trial.number, detail=f"duplicate of trial {twin}"))
+            return
         problems = check_constraints(args, self.plan.context)
         if problems:
             # Never start an engine for an invalid combination; the sampler still learns.
@@ -605,6 +635,16 @@ class StudyDriver:
             )
             return
         self._submit(trial, args, attempt=0)
+
+    def _measured_twin(self, encoded_args: str) -> int | None:
+        """The number of a trial that already ran these engine arguments (None: none did)."""
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if (
+                t.user_attrs.get("engine_args") == encoded_args
+                and t.user_attrs.get(STATUS_ATTR) != TrialStatus.REJECTED.value
+            ):
+                return t.number
+        return None
 
     def _spec(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> TrialSpec:
         return self.plan.trial_spec(
@@ -648,6 +688,14 @@ class StudyDriver:
                 number=number,
                 status=TrialStatus.FAILED,
                 message=f"trial runner failed: {type(exc).__name__}: {exc}",
+            )
+        if self._cancelled and result.status is not TrialStatus.COMPLETE:
+            # Stopped by cancel(): not a result the sampler may learn from.
+            result = TrialResult(
+                number=number,
+                status=TrialStatus.CANCELLED,
+                message="cancelled: " + result.message,
+                log_path=result.log_path,
             )
         if result.status is TrialStatus.INVALID_REPLAY and attempt < self.plan.job.retries:
             self.on_event(StudyEvent("retry", number, result=result, detail=result.message))
@@ -700,14 +748,18 @@ class StudyDriver:
                 names, capacity_constraints(result.capacity, names), strict=True
             ):
                 trial.set_constraint(name, margin)
+            if not names:
+                trial.set_constraint(_SERVED, -1.0)
             self.study.tell(trial, objectives.values(result.summary))
         elif result.status is TrialStatus.COMPLETE:
             for slo, margin in zip(
                 objectives.slos, objectives.constraints(result.summary), strict=True
             ):
                 trial.set_constraint(str(slo), margin)
+            if not objectives.slos:
+                trial.set_constraint(_SERVED, -1.0)
             self.study.tell(trial, objectives.values(result.summary))
-        elif result.status is TrialStatus.INVALID_REPLAY:
+        elif result.status in (TrialStatus.INVALID_REPLAY, TrialStatus.CANCELLED):
             self.study.tell(trial, state=TrialState.FAIL)
         else:
             # Failed, or stopped early: a stopped replay's figures cover a partial window whose
@@ -730,7 +782,7 @@ class StudyDriver:
                 trial.set_constraint(str(slo), margin)
         else:
             # Without SLOs, "feasible" still means "the engine served": one implicit constraint.
-            trial.set_constraint("engine_served", 1.0)
+            trial.set_constraint(_SERVED, 1.0)
         self.study.tell(trial, self.plan.objectives.worst())
 
     def _write_plan(self) -> None:
