@@ -51,51 +51,30 @@ def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _has_weights(model: str) -> bool:
-    path = Path(model)
-    if not path.is_dir():
-        return True  # a hub name: the server fetches real weights
-    return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.pt"))
-
-
 def engine_config_for(
     model: str, engine_args: dict[str, Any], *, python: str | None, kv_cache_gib: float | None
 ) -> tuple[Any, list[str]]:
     """Build an EngineConfig with the defaults a local run needs; returns it and notes to show.
 
-    A model folder without weight files gets ``load-format: dummy``; the CPU build gets
-    ``VLLM_CPU_KVCACHE_SPACE`` (DESIGN.md §7.7). Arguments are validated against the installed
-    vLLM before anything starts.
+    The defaults are study preparation's (:mod:`optimizer.engine_defaults`: dummy weights for
+    a folder without weight files, the CPU build's KV cache variable). Arguments are validated
+    against the installed vLLM before anything starts.
     """
-    from optimizer.engine import cpu_engine_env
+    from optimizer.engine_defaults import apply_engine_defaults
     from optimizer.types import EngineConfig
-    from optimizer.vllm_flags import (
-        accepted_flags,
-        installed_vllm,
-        normalize_flag,
-        validate_engine_args,
-    )
+    from optimizer.vllm_flags import accepted_flags, installed_vllm, validate_engine_args
 
-    notes: list[str] = []
-    args = dict(engine_args)
-    if "load-format" not in args and "load_format" not in args and not _has_weights(model):
-        args["load-format"] = "dummy"
-        notes.append(
-            "no weight files in the model folder: using load-format=dummy (random weights)"
-        )
     install = installed_vllm(python)
-    validate_engine_args(args, accepted_flags(install))
-    env: dict[str, str] = {}
-    explicit_kv = any(normalize_flag(k) == "kv-cache-memory-bytes" for k in args)
-    if install.is_cpu_build and explicit_kv:
-        notes.append(f"CPU build {install.version}: KV cache from kv-cache-memory-bytes")
-    elif install.is_cpu_build:
-        gib = int(kv_cache_gib) if kv_cache_gib is not None else 2
-        env = cpu_engine_env(gib)
-        notes.append(f"CPU build {install.version}: VLLM_CPU_KVCACHE_SPACE={gib} GiB")
-    else:
-        notes.append(f"GPU build {install.dist} {install.version}")
-    return EngineConfig(model=model, args=args, env=env), notes
+    defaults = apply_engine_defaults(
+        model,
+        engine_args,
+        cpu_build=install.is_cpu_build,
+        kv_cache_gib=None if kv_cache_gib is None else int(kv_cache_gib),
+    )
+    validate_engine_args(defaults.args, accepted_flags(install))
+    build = "CPU build" if install.is_cpu_build else "GPU build"
+    notes = [*defaults.notes, f"{build} {install.dist} {install.version}"]
+    return EngineConfig(model=model, args=defaults.args, env=defaults.env), notes
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -353,7 +332,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from objectives import parse_slo, summarize
-    from optimizer.modelgen import model_info
+    from optimizer.engine_defaults import prompt_token_range
     from optimizer.trial import boost_priority, run_trial, write_records
     from optimizer.types import TrialSpec, TrialStatus
     from optimizer.workload.prompts import TokenRange
@@ -370,14 +349,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if len(trace) == 0:
         raise ConfigError(f"{ns.trace}: no request left after shaping")
     served = ns.served_model or ns.model
+    explicit = None
     if ns.token_range:
         low, _, high = ns.token_range.partition(":")
-        token_range = (int(low), int(high))
-    elif ns.model and Path(ns.model).is_dir():
-        info = model_info(ns.model)
-        token_range = (info.prompt_low, info.prompt_high)
-    else:
-        token_range = (1000, 30000)
+        explicit = (int(low), int(high))
+    token_range = prompt_token_range(ns.model, explicit)
 
     with Progress(
         TextColumn("{task.description}"),

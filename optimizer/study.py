@@ -49,6 +49,7 @@ from objectives import ObjectiveSet, load_objectives
 from optimizer.capacity.measure import dev_mode_env
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
+from optimizer.engine_defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
@@ -255,23 +256,15 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     install = installed_vllm(job.engine.python) if check_flags else None
     n_gpus, gpu_mem, gpu_name = _gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
-    engine_args = dict(job.engine.args)
+    defaults = apply_engine_defaults(
+        model,
+        job.engine.args,
+        job.engine.env,
+        cpu_build=is_cpu,
+        kv_cache_gib=job.engine.kv_cache_gib,
+    )
+    engine_args, env = defaults.args, defaults.env
     local_model = Path(model).is_dir()
-    if (
-        local_model
-        and not any(Path(model).glob("*.safetensors"))
-        and "load-format" not in engine_args
-    ):
-        engine_args["load-format"] = "dummy"
-    env = dict(job.engine.env)
-    # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
-    # kv-cache-memory-bytes; a job that sizes it in bytes must not get the variable.
-    if (
-        is_cpu
-        and "VLLM_CPU_KVCACHE_SPACE" not in env
-        and "kv-cache-memory-bytes" not in engine_args
-    ):
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(job.engine.kv_cache_gib or 2)
     baseline = {
         **engine_args,
         **(
@@ -290,13 +283,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
             for value in values:
                 validate_engine_args({flag: value}, flags)
 
-    if job.trace.token_range:
-        token_range = tuple(job.trace.token_range)
-    elif local_model:
-        info = model_info(model)
-        token_range = (info.prompt_low, info.prompt_high)
-    else:
-        token_range = (1000, 30000)
+    token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
     longest = max(r.input_tokens + r.output_tokens for r in shaped.requests)
     gpus = job.gpus_per_trial if job.gpus_per_trial else (0 if is_cpu else 1)
@@ -319,7 +306,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         objectives=objectives,
         engine=EngineConfig(model=model, args=engine_args, env=env),
         baseline_args=baseline,
-        token_range=(int(token_range[0]), int(token_range[1])),
+        token_range=token_range,
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
     )

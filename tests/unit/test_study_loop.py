@@ -390,3 +390,23 @@ def test_resumed_seeded_study_never_reruns_a_measured_configuration(tmp_path: Pa
         if t.user_attrs.get("status") == "complete"
     ]
     assert len(measured) == len(set(measured))
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "model.pt"])
+def test_a_model_folder_with_weights_is_never_served_dummy_weights(
+    tmp_path: Path, weights: str
+) -> None:
+    from optimizer.modelgen import make_model
+
+    make_model(str(tmp_path / "model"), "tiny", max_model_len=2048)
+    (tmp_path / "model" / weights).write_bytes(b"\0")
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    assert "load-format" not in plan.engine.args
+    assert "load-format" not in plan.baseline_args
+
+
+def test_a_model_folder_without_weights_is_served_dummy_weights(tmp_path: Path) -> None:
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    assert plan.engine.args["load-format"] == "dummy"
