@@ -617,9 +617,6 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
     return 0
 
 
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
 def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
     import optuna
 
@@ -641,15 +638,14 @@ def _capacity_line(study: Any, saved: dict[str, Any], number: int) -> str:
     return answer.export_line(number) if answer is not None else ""
 
 
-def _check_service_study(
-    folder: Path, saved: dict[str, Any], trials: dict[str, Any], validate: bool
-) -> None:
+def _check_service_study(folder: Path, saved: dict[str, Any], choice: Any, validate: bool) -> None:
     """A study folder the service wrote is exported under the service's policy: its stored job
     and the trials to render or re-run may not load code (a study stored before the service's
     allow-lists would otherwise start a server with its plugin flag here).
 
     Args:
-        trials: label -> the trial to render (``chosen``) or re-run (``baseline``, or None).
+        choice: The trial to render (``chosen``) and the one to re-run with it (``baseline``).
+        validate: The baseline is re-run too.
 
     Raises:
         ConfigError: A flag, variable or ``engine.python`` the service refuses (named).
@@ -658,10 +654,11 @@ def _check_service_study(
 
     if not security.is_service_study(folder):
         return  # a local `tune` folder is its user's own
+    views = {"chosen": choice.chosen, "baseline": choice.baseline if validate else None}
     labelled = [
-        (f"{label} trial {t.number}'s engine arguments", json.loads(t.user_attrs["engine_args"]))
-        for label, t in trials.items()
-        if t is not None and (validate or label == "chosen")
+        (f"{label} trial {v.number}'s engine arguments", v.engine_args)
+        for label, v in views.items()
+        if v is not None
     ]
     try:
         security.check_stored_study(saved.get("job") or {}, labelled)
@@ -674,9 +671,6 @@ def _check_service_study(
 
 def cmd_export(ns: argparse.Namespace) -> int:
     from optimizer import export as ex
-    from optimizer.config import load_job
-    from optimizer.study import prepare
-    from optimizer.types import TrialSpec
 
     if ns.chart_schema and ns.format != "helm":
         raise ConfigError("--chart-schema checks Helm values: use it with --format helm")
@@ -685,74 +679,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
     weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
-    policy = "trial" if ns.trial is not None else ns.policy
-    chosen = ex.select_trial(study, policy, trial_number=ns.trial, weights=weights)
-    baseline = next(
-        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
-    )
-    _check_service_study(
-        folder, saved, {"chosen": chosen, "baseline": baseline}, not ns.no_validate
-    )
-    args = json.loads(chosen.user_attrs["engine_args"])
+    choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
+    _check_service_study(folder, saved, choice, not ns.no_validate)
     console.print(
-        f"policy {policy}: trial {chosen.number} "
-        f"changes {ex.changed_args(chosen, baseline) or 'nothing'} vs the baseline"
+        f"policy {choice.policy}: trial {choice.chosen.number} "
+        f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
-    names = list(study.metric_names or [])
     if ns.no_validate:
-        gain = "values measured once during the study, not re-validated: " + ", ".join(
-            f"{n} {v:,.1f}" for n, v in zip(names, chosen.values or [], strict=False)
-        )
+        gain = ex.unvalidated_gain(study, choice)
     else:
-        if baseline is None:
-            raise ConfigError("the study has no baseline trial to validate against")
-        job, base = load_job(saved["job"], base=folder)
-        plan = prepare(job, base)
-        runner = _make_runner(ns.runner, plan, None)
-        out = plan.out / "validation" / f"trial-{chosen.number}-{int(time.time())}"
-
-        def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
-            return plan.trial_spec(
-                chosen.number,
-                engine_args,
-                workdir=out / f"{label}-{k}",
-                seed=900_000 + 2 * k + (label == "chosen"),
-                early_stop=False,
-            )
-
-        def run(spec: TrialSpec) -> Any:
-            return runner.submit(spec, plan.gpus_per_server).future.result()
-
-        try:
-            val = ex.validate_choice(
-                run,
-                make_spec,
-                args,
-                json.loads(baseline.user_attrs["engine_args"]),
-                metrics=names,
-                directions=list(study.directions),
-                values=plan.objectives.values,
-                feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
-                runs=ns.runs,
-                progress=lambda line: console.print(f"[dim]{line}[/]"),
-            )
-        finally:
-            runner.close()
-        table = Table(title=f"re-validation: {ns.runs} runs each, medians and ranges")
-        for col in ("objective", "baseline", "chosen", "gain (range)"):
-            table.add_column(col, justify="right")
-        for row in val.table():
-            b_lo, b_hi = row["baseline_range"]
-            c_lo, c_hi = row["chosen_range"]
-            g_lo, g_hi = row["gain_range_pct"]
-            table.add_row(
-                row["metric"],
-                f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
-                f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
-                f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
-            )
-        console.print(table)
-        problems = val.problems(ex.primary_metrics(policy, names))
+        val = _revalidate(ns, folder, saved, study, choice)
+        console.print(_validation_table(val, ns.runs))
+        gain, problems = ex.verdict(val, choice.policy, force=ns.force)
         if problems and not ns.force:
             err_console.print(
                 "[bold red]refusing to export:[/] "
@@ -760,25 +698,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 + " (use --force to export anyway)"
             )
             return 4
-        gain = val.gain_text() + (" [FORCED: " + "; ".join(problems) + "]" if problems else "")
-    env = {
-        k: v
-        for k, v in saved["job"]["engine"].get("env", {}).items()
-        if not any(w in k.upper() for w in _SECRET_WORDS)
-    }
-    ctx = ex.ExportContext(
-        study=saved["study"],
-        trial=chosen.number,
-        model=saved["job"]["model"]["path"],
-        args=args,
-        vllm=saved.get("vllm", "?"),
-        hardware=saved.get("hardware", "?"),
-        trace=ex.trace_label(saved),
-        gain=gain,
-        gpus=int(args.get("tensor-parallel-size", 1) or 1)
-        * int(args.get("pipeline-parallel-size", 1) or 1),
-        env=env,
-        capacity=_capacity_line(study, saved, chosen.number),
+    ctx = ex.context(
+        saved, choice, gain, capacity=_capacity_line(study, saved, choice.chosen.number)
     )
     unknown: list[str] = []
     if ns.format == "ray-serve":
@@ -800,9 +721,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
     exports = list(study.user_attrs.get("exports", []))
     exports.append(
         {
-            "trial": chosen.number,
+            "trial": choice.chosen.number,
             "format": ns.format,
-            "policy": policy,
+            "policy": choice.policy,
             "path": str(path),
             "gain": gain,
         }
@@ -813,10 +734,57 @@ def cmd_export(ns: argparse.Namespace) -> int:
         from optimizer.tracking import log_export
 
         if log_export(
-            folder, trial=chosen.number, fmt=ns.format, path=path, policy=policy, gain=gain
+            folder,
+            trial=choice.chosen.number,
+            fmt=ns.format,
+            path=path,
+            policy=choice.policy,
+            gain=gain,
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
+
+
+def _revalidate(
+    ns: argparse.Namespace, folder: Path, saved: dict[str, Any], study: Any, choice: Any
+) -> Any:
+    """Re-run the choice and the baseline here, through the runner ``--runner`` names."""
+    from optimizer import export as ex
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+
+    job, base = load_job(saved["job"], base=folder)
+    plan = prepare(job, base)
+    runner = _make_runner(ns.runner, plan, None)
+    try:
+        return ex.revalidate(
+            plan,
+            study,
+            choice,
+            lambda spec, gpus: runner.submit(spec, gpus).future.result(),
+            workdir=plan.out / "validation" / f"trial-{choice.chosen.number}-{int(time.time())}",
+            runs=ns.runs,
+            progress=lambda line: console.print(f"[dim]{line}[/]"),
+        )
+    finally:
+        runner.close()
+
+
+def _validation_table(val: Any, runs: int) -> Table:
+    table = Table(title=f"re-validation: {runs} runs each, medians and ranges")
+    for col in ("objective", "baseline", "chosen", "gain (range)"):
+        table.add_column(col, justify="right")
+    for row in val.table():
+        b_lo, b_hi = row["baseline_range"]
+        c_lo, c_hi = row["chosen_range"]
+        g_lo, g_hi = row["gain_range_pct"]
+        table.add_row(
+            row["metric"],
+            f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
+            f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
+            f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
+        )
+    return table
 
 
 def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:

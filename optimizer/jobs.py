@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 import optuna
 import sqlalchemy as sa
@@ -48,6 +47,7 @@ from optimizer.config import JobConfig, load_job
 from optimizer.errors import AutotuneError, ConfigError, TraceError
 from optimizer.service import security
 from optimizer.service.auth import DEFAULT_TEAM, Principal, TokenEntry, authenticate, hash_token
+from optimizer.service.security import is_secret, redact_job, redact_url
 
 __all__ = [
     "ACTIVE_STATES",
@@ -79,7 +79,6 @@ log = logging.getLogger(__name__)
 #: Job states. ``queued`` and ``running`` are active; the others are final.
 ACTIVE_STATES = ("queued", "running")
 FINAL_STATES = ("done", "failed", "cancelled", "expired")
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 _NAMESPACE = "vllm-autotune"
 
 
@@ -177,41 +176,6 @@ def token_matches(presented: str | None, digests: Iterable[str]) -> bool:
         # Compare against every digest so the time does not say which one matched.
         ok |= hmac.compare_digest(mine, d)
     return ok
-
-
-# --- redaction --------------------------------------------------------------------------------
-
-
-def redact_url(url: str | None) -> str | None:
-    """A database/tracking URL with its password replaced by ``***``."""
-    if not url or "@" not in url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "***"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _is_secret(key: str) -> bool:
-    return any(w in key.upper() for w in _SECRET_WORDS)
-
-
-def redact_job(job: Mapping[str, Any]) -> dict[str, Any]:
-    """A job document fit for an API response: secret env values and URL passwords masked."""
-    doc = json.loads(json.dumps(job, default=str))
-    engine = doc.get("engine") or {}
-    env = engine.get("env") or {}
-    engine["env"] = {k: ("***" if _is_secret(k) else v) for k, v in env.items()}
-    if "storage" in doc:
-        doc["storage"] = redact_url(doc["storage"])
-    ml = doc.get("mlflow") or {}
-    if ml.get("tracking_uri"):
-        ml["tracking_uri"] = redact_url(ml["tracking_uri"])
-    return dict(doc)
 
 
 # --- submissions ------------------------------------------------------------------------------
@@ -1074,11 +1038,9 @@ class ExportResult:
     gain: str
 
 
-#: (record, study, chosen args, baseline args, runs, policy) -> (gain text, problems). The
-#: service default re-runs both on the cluster; tests pass a fake.
-Validator = Callable[
-    [JobRecord, optuna.Study, dict[str, Any], dict[str, Any], int, str], tuple[str, list[str]]
-]
+#: (record, study, choice, runs, force) -> (gain text, reasons to refuse); a forced gain text
+#: says what it overrode. The service default re-runs both on the cluster; tests pass a fake.
+Validator = Callable[[JobRecord, optuna.Study, Any, int, bool], tuple[str, list[str]]]
 
 
 def _iso(ts: float | None) -> str | None:
@@ -1525,7 +1487,7 @@ class JobService:
         attrs = {
             k: v
             for k, v in t.user_attrs.items()
-            if k not in ("engine_args", "log_path") and not _is_secret(k)
+            if k not in ("engine_args", "log_path") and not is_secret(k)
         }
         doc.update(
             engine_args=_trial_args(t),
@@ -1575,58 +1537,41 @@ class JobService:
                 f"study {job_id} has not started: nothing to export", status=409
             )
         saved = json.loads(plan_file.read_text())
-        pol = "trial" if trial is not None else policy
-        chosen = ex.select_trial(study, pol, trial_number=trial, weights=weights)
-        baseline = next(
-            (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
-        )
-        args = _trial_args(chosen)
-        names = list(study.metric_names or [])
+        choice = ex.choose(study, policy, trial_number=trial, weights=weights)
         # What the service would refuse is not exported, nor re-run (a study stored before the
         # allow-list, or a trial whose arguments were changed since).
         _check_stored_job(rec.job)
-        security.check_engine_args(args, f"trial {chosen.number}'s engine arguments")
-        if baseline is not None and validate:
-            security.check_engine_args(_trial_args(baseline), "the baseline's engine arguments")
+        security.check_engine_args(
+            choice.chosen.engine_args, f"trial {choice.chosen.number}'s engine arguments"
+        )
         if validate:
-            if baseline is None:
+            if choice.baseline is None:
                 raise SubmissionRefused("the study has no baseline to validate against", status=409)
-            gain, problems = self.validator(rec, study, args, _trial_args(baseline), runs, pol)
+            security.check_engine_args(
+                choice.baseline.engine_args, "the baseline's engine arguments"
+            )
+            gain, problems = self.validator(rec, study, choice, runs, force)
             if problems and not force:
                 raise SubmissionRefused(
                     "refusing to export: " + "; ".join(problems) + " (force=true exports anyway)",
                     status=409,
                 )
-            if problems:
-                gain += " [FORCED: " + "; ".join(problems) + "]"
         else:
-            gain = "values measured once during the study, not re-validated: " + ", ".join(
-                f"{n} {v:,.1f}" for n, v in zip(names, chosen.values or [], strict=False)
-            )
-        env = {
-            k: v for k, v in rec.job.get("engine", {}).get("env", {}).items() if not _is_secret(k)
-        }
-        ctx = ex.ExportContext(
-            study=saved.get("study", rec.name),
-            trial=chosen.number,
-            model=rec.job["model"]["path"],
-            args=args,
-            vllm=saved.get("vllm", "?"),
-            hardware=saved.get("hardware", "?"),
-            trace=ex.trace_label(saved),
-            gain=gain,
-            gpus=int(args.get("tensor-parallel-size", 1) or 1)
-            * int(args.get("pipeline-parallel-size", 1) or 1),
-            env=env,
-        )
-        text = ex.render(fmt, ctx)
+            gain = ex.unvalidated_gain(study, choice)
+        text = ex.render(fmt, ex.context(saved, choice, gain, job=rec.job, study_name=rec.name))
         exports = list(study.user_attrs.get("exports", []))
         exports.append(
-            {"trial": chosen.number, "format": fmt, "policy": pol, "via": "service", "gain": gain}
+            {
+                "trial": choice.chosen.number,
+                "format": fmt,
+                "policy": choice.policy,
+                "via": "service",
+                "gain": gain,
+            }
         )
         study.set_user_attr("exports", exports)
         return ExportResult(
-            text=text, filename=ex.default_filename(fmt), trial=chosen.number, gain=gain
+            text=text, filename=ex.default_filename(fmt), trial=choice.chosen.number, gain=gain
         )
 
     def health(self) -> dict[str, Any]:
@@ -1670,48 +1615,23 @@ def _has_vllm() -> bool:
 
 
 def _cluster_validator(
-    rec: JobRecord,
-    study: optuna.Study,
-    chosen: dict[str, Any],
-    baseline: dict[str, Any],
-    runs: int,
-    policy: str,
+    rec: JobRecord, study: optuna.Study, choice: Any, runs: int, force: bool
 ) -> tuple[str, list[str]]:
-    """Re-run the chosen configuration and the baseline on the cluster (blocking); refuse by
-    the same rule as the CLI (:meth:`optimizer.export.Validation.problems`, the policy's own
-    objectives)."""
+    """Re-run the choice and the baseline on the cluster (blocking), by the export use case
+    the CLI uses (:func:`optimizer.export.revalidate`, :func:`optimizer.export.verdict`)."""
     from optimizer import export as ex
     from optimizer.runners import RayRunner
     from optimizer.study import prepare
-    from optimizer.types import TrialSpec
 
     job, base = load_job(rec.job, base=Path(rec.base))
     plan = prepare(job, base)
     runner = RayRunner(capacity=1)
-    out = plan.out / "validation" / f"service-{int(time.time())}"
-
-    def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
-        return plan.trial_spec(
-            -1,
-            engine_args,
-            workdir=out / f"{label}-{k}",
-            seed=900_000 + 2 * k + (label == "chosen"),
-            early_stop=False,
-        )
-
-    def run(spec: TrialSpec) -> Any:
-        return runner.submit(spec, plan.gpus_per_server).future.result()
-
-    names = list(study.metric_names or [])
-    val = ex.validate_choice(
-        run,
-        make_spec,
-        chosen,
-        baseline,
-        metrics=names,
-        directions=list(study.directions),
-        values=plan.objectives.values,
-        feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
+    val = ex.revalidate(
+        plan,
+        study,
+        choice,
+        lambda spec, gpus: runner.submit(spec, gpus).future.result(),
+        workdir=plan.out / "validation" / f"service-{int(time.time())}",
         runs=runs,
     )
-    return val.gain_text(), val.problems(ex.primary_metrics(policy, names))
+    return ex.verdict(val, choice.policy, force=force)

@@ -51,6 +51,7 @@ from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.engine_defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
+from optimizer.trial_view import gpus_per_server
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
 
@@ -145,11 +146,6 @@ class StudyPlan:
             max_send_lag_ms=job.trace.max_send_lag_ms,
             capacity=capacity,
         )
-
-    @property
-    def gpus_per_server(self) -> int:
-        """GPUs one server of the baseline shape asks Ray for (0 on the CPU build)."""
-        return 0 if self.context.cpu_build else 1
 
 
 @dataclass(frozen=True)
@@ -647,21 +643,15 @@ class StudyDriver:
 
     def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:
         spec = self._spec(trial, args, attempt)
-        gpus = self._gpus(args)
-        handle = self.runner.submit(spec, gpus)
+        handle = self.runner.submit(
+            spec, gpus_per_server(args, cpu_build=self.plan.context.cpu_build)
+        )
         self._running[trial.number] = (handle, trial, attempt)
         self.on_event(
             StudyEvent(
                 "started", trial.number, detail=json.dumps(args, sort_keys=True, default=str)
             )
         )
-
-    def _gpus(self, args: dict[str, Any]) -> int:
-        if self.plan.context.cpu_build:
-            return 0
-        tp = int(args.get("tensor-parallel-size", 1) or 1)
-        pp = int(args.get("pipeline-parallel-size", 1) or 1)
-        return tp * pp
 
     def _collect(self, number: int, fut: concurrent.futures.Future[TrialResult]) -> None:
         handle, trial, attempt = self._running.pop(number)

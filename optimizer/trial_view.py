@@ -166,6 +166,18 @@ class TrialView:
         return CapacityView.from_doc(doc) if isinstance(doc, Mapping) else None
 
     @property
+    def startup_s(self) -> float | None:
+        """Seconds its engine took to start (None: it never started)."""
+        value = self.trial.user_attrs.get("startup_s")
+        return float(value) if value is not None else None
+
+    @property
+    def replay_s(self) -> float | None:
+        """Seconds its replay took (None: no replay)."""
+        value = self.trial.user_attrs.get("replay_s")
+        return float(value) if value is not None else None
+
+    @property
     def message(self) -> str:
         """What happened, in a paragraph."""
         return str(self.trial.user_attrs.get("message") or "")

@@ -28,7 +28,7 @@ def launcher() -> FakeLauncher:
 @pytest.fixture
 def service(tmp_path: Path, launcher: FakeLauncher) -> JobService:
     svc = make_service(tmp_path, launcher, max_upload_bytes=64 * 1024)
-    svc.validator = lambda _rec, _study, _chosen, _base, runs, _policy: (
+    svc.validator = lambda _rec, _study, _choice, runs, _force: (
         f"fake gain, {runs} runs",
         [],
     )

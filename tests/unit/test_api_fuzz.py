@@ -65,7 +65,7 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_App]:
     tmp = tmp_path_factory.mktemp("api-fuzz")
     launcher = FakeLauncher()
     service = make_service(tmp, launcher, max_upload_bytes=64 * 1024)
-    service.validator = lambda _rec, _study, _chosen, _base, runs, _policy: (
+    service.validator = lambda _rec, _study, _choice, runs, _force: (
         f"fake, {runs} runs",
         [],
     )

@@ -292,7 +292,7 @@ def teams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, 
     svc = JobService(
         settings, store, Scheduler(store, FakeLauncher()), check_plan=lambda _j, _b: None
     )
-    svc.validator = lambda _rec, _study, _chosen, _base, runs, _policy: ("fake", [])
+    svc.validator = lambda _rec, _study, _choice, runs, _force: ("fake", [])
     return TestClient(create_app(svc), raise_server_exceptions=False), svc
 
 
