@@ -389,7 +389,6 @@ def cmd_replay(ns: argparse.Namespace) -> int:
                 progress=on_progress,
             )
             summary = dict(summarize(result.records, slos=slos))
-            summary["p99_send_lag_ms"] = result.p99_send_lag_ms
             write_records(result.records, out / "records.jsonl.gz")
             kept, message = result.schedule_kept, result.message
         else:

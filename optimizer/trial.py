@@ -5,6 +5,10 @@ that does not start (or dies mid-replay) yields a ``failed`` result carrying its
 and log lines; a replay whose client could not keep the schedule yields ``invalid_replay`` so
 the study retries instead of scoring a distorted measurement. The engine is always stopped,
 with its whole process group, before this function returns.
+
+Every figure of the summary is :func:`objectives.summarize`'s over the records it describes,
+send lag included (one definition: ``sent_s - scheduled_s`` per measured request); the
+replayer's own P99, which judges whether the schedule was kept, is quoted in its message.
 """
 
 from __future__ import annotations
@@ -213,7 +217,6 @@ def run_trial(
                 ),
             )
         summary = dict(summarize(measured, slos=slos))
-        summary["p99_send_lag_ms"] = replay.p99_send_lag_ms
         message = replay.message
         if not replay.schedule_kept:
             status = TrialStatus.INVALID_REPLAY

@@ -202,7 +202,6 @@ class StepRunner:
 
             write_records(records, self.records_dir / f"step-{step:02d}.jsonl.gz")
         summary = dict(summarize(records, slos=list(self.slos)))
-        summary["p99_send_lag_ms"] = result.p99_send_lag_ms
         stopped = result.stopped_early and result.stop_reason.startswith(EARLY_STOP_PREFIX)
         margins = {str(slo): _margin(slo, summary) for slo in self.slos}
         reason = result.stop_reason.removeprefix(EARLY_STOP_PREFIX) if stopped else ""
