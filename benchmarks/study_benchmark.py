@@ -28,7 +28,7 @@ from optimizer import export as ex
 from optimizer.config import load_job
 from optimizer.study import create_storage, prepare
 from optimizer.trial import run_trial
-from optimizer.trial_view import TrialView
+from optimizer.trial_view import TrialView, baseline_of
 from optimizer.types import TrialSpec
 
 console = Console(width=140)
@@ -83,7 +83,7 @@ def main() -> None:
         )
         return dataclasses.replace(base_spec, **over)
 
-    baseline = ex.baseline_trial(study)
+    baseline = baseline_of(study)
     if baseline is None:
         raise SystemExit(f"{folder}: the study has no baseline trial")
     base_args = TrialView(baseline).engine_args

@@ -48,6 +48,7 @@ from optimizer.errors import AutotuneError, ConfigError, TraceError
 from optimizer.service import security
 from optimizer.service.auth import DEFAULT_TEAM, Principal, TokenEntry, authenticate, hash_token
 from optimizer.service.security import is_secret, redact_job, redact_url
+from optimizer.trial_view import TrialView, metric_names
 
 __all__ = [
     "ACTIVE_STATES",
@@ -1073,11 +1074,6 @@ def _num(v: Any) -> Any:
     return v
 
 
-def _trial_args(t: FrozenTrial) -> dict[str, Any]:
-    raw = t.user_attrs.get("engine_args")
-    return dict(json.loads(raw)) if isinstance(raw, str) else {}
-
-
 class JobService:
     """Everything the HTTP API does, without HTTP: submit, list, show, cancel, export.
 
@@ -1415,7 +1411,7 @@ class JobService:
         doc["front"] = []
         if study is None:
             return doc
-        names = list(study.metric_names or [f"objective {i}" for i in range(len(study.directions))])
+        names = metric_names(study)
         doc["objectives"] = [
             {"metric": n, "direction": d.name.lower()}
             for n, d in zip(names, study.directions, strict=False)
@@ -1453,21 +1449,18 @@ class JobService:
 
     @staticmethod
     def _trial_short(t: FrozenTrial, names: list[str]) -> dict[str, Any]:
+        view = TrialView(t)
         return {
             "number": t.number,
             "state": t.state.name.lower(),
-            "status": t.user_attrs.get("status", t.state.name.lower()),
-            "baseline": bool(t.user_attrs.get("baseline")),
+            "status": view.status,
+            "baseline": view.is_baseline,
             "values": (
                 {n: _num(v) for n, v in zip(names, t.values, strict=False)} if t.values else None
             ),
-            "feasible": (
-                all(v <= 0 for v in t.constraints.values())
-                if t.state == TrialState.COMPLETE
-                else None
-            ),
-            "failure_class": t.user_attrs.get("failure_class"),
-            "retry_of": t.user_attrs.get("retry_of"),
+            "feasible": view.feasible if t.state == TrialState.COMPLETE else None,
+            "failure_class": view.failure_class or None,
+            "retry_of": view.retry_of,
         }
 
     def trial(self, job_id: str, number: int, who: Principal | None = None) -> dict[str, Any]:
@@ -1482,15 +1475,16 @@ class JobService:
         if not 0 <= number < len(trials):
             raise NotFound(f"study {job_id!r} has no trial {number}")
         t = trials[number]
-        names = list(study.metric_names or []) if study is not None else []
+        names = metric_names(study) if study is not None else []
         doc = self._trial_short(t, names)
+        view = TrialView(t)
         attrs = {
             k: v
-            for k, v in t.user_attrs.items()
+            for k, v in view.attributes().items()
             if k not in ("engine_args", "log_path") and not is_secret(k)
         }
         doc.update(
-            engine_args=_trial_args(t),
+            engine_args=view.engine_args,
             params=t.params,
             constraints={k: _num(v) for k, v in t.constraints.items()},
             started_at=t.datetime_start.isoformat() if t.datetime_start else None,

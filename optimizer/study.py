@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import socket
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,14 @@ from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.engine_defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
-from optimizer.trial_view import gpus_per_server
+from optimizer.trial_view import (
+    BASELINE_ATTR,
+    TrialView,
+    gpus_per_server,
+    record_engine_args,
+    record_result,
+    record_status,
+)
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
 
@@ -66,8 +72,6 @@ __all__ = [
     "prepare",
 ]
 
-BASELINE_ATTR = "baseline"
-STATUS_ATTR = "status"
 _DRIVER_ATTR = "driver"
 # Without SLOs, the one constraint every told trial carries: the engine served (<= 0) or not.
 _SERVED = "engine_served"
@@ -364,7 +368,7 @@ def _hardware(cpu_build: bool) -> str:
 
 def is_baseline(trial: FrozenTrial) -> bool:
     """True for the study's baseline trial."""
-    return bool(trial.user_attrs.get(BASELINE_ATTR))
+    return TrialView(trial).is_baseline
 
 
 def _driver_identity() -> dict[str, Any]:
@@ -450,7 +454,7 @@ class StudyDriver:
             if t.state in (TrialState.COMPLETE, TrialState.RUNNING)
             or (
                 t.state == TrialState.FAIL
-                and t.user_attrs.get(STATUS_ATTR)
+                and TrialView(t).status
                 in (TrialStatus.INVALID_REPLAY.value, TrialStatus.DUPLICATE.value)
             )
         )
@@ -499,7 +503,8 @@ class StudyDriver:
         failed = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if _driver_dead(t.system_attrs.get(_DRIVER_ATTR)):
-                self.storage.set_trial_user_attr(t._trial_id, STATUS_ATTR, "driver_died")
+                # A FrozenTrial cannot be written through: the storage is (same attribute).
+                self.storage.set_trial_user_attr(t._trial_id, "status", "driver_died")
                 self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 failed.append(t.number)
         if isinstance(self.storage, optuna.storages.RDBStorage):
@@ -587,20 +592,21 @@ class StudyDriver:
         trial.storage.set_trial_system_attr(trial._trial_id, _DRIVER_ATTR, _driver_identity())
         if isinstance(self.storage, optuna.storages.RDBStorage):
             self.storage.record_heartbeat(trial._trial_id)
-        baseline = bool(trial.user_attrs.get(BASELINE_ATTR))
-        if baseline:
+        if TrialView(self._frozen(trial.number)).is_baseline:
             args = dict(self.plan.baseline_args)
         else:
             args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
-        encoded = json.dumps(args, sort_keys=True, default=str)
+        encoded = record_engine_args(trial, args)
         twin = self._measured_twin(encoded)
-        trial.set_user_attr("engine_args", encoded)
         if twin is not None:
             # A resumed seeded sampler, or an exhausted space: never measure a configuration
             # twice in one study.
-            trial.set_user_attr(STATUS_ATTR, TrialStatus.DUPLICATE.value)
-            trial.set_user_attr("duplicate_of", twin)
-            trial.set_user_attr("message", f"trial {twin} measured this configuration")
+            record_status(
+                trial,
+                TrialStatus.DUPLICATE.value,
+                f"trial {twin} measured this configuration",
+                duplicate_of=twin,
+            )
             self.study.tell(trial, state=TrialState.FAIL)
             self.on_event(StudyEvent("rejected", trial.number, detail=f"duplicate of trial {twin}"))
             return
@@ -622,10 +628,8 @@ class StudyDriver:
     def _measured_twin(self, encoded_args: str) -> int | None:
         """The number of a trial that already ran these engine arguments (None: none did)."""
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if (
-                t.user_attrs.get("engine_args") == encoded_args
-                and t.user_attrs.get(STATUS_ATTR) != TrialStatus.REJECTED.value
-            ):
+            view = TrialView(t)
+            if view.engine_args_key == encoded_args and view.status != TrialStatus.REJECTED.value:
                 return t.number
         return None
 
@@ -638,7 +642,7 @@ class StudyDriver:
             seed=trial.number * 1000 + attempt + 1,
             # The baseline is the reference every gain is read against: it replays the whole
             # trace even when it misses an SLO, so the report compares full measurements.
-            early_stop=False if trial.user_attrs.get(BASELINE_ATTR) else None,
+            early_stop=False if TrialView(self._frozen(trial.number)).is_baseline else None,
         )
 
     def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:
@@ -676,12 +680,7 @@ class StudyDriver:
             )
         if result.status is TrialStatus.INVALID_REPLAY and attempt < self.plan.job.retries:
             self.on_event(StudyEvent("retry", number, result=result, detail=result.message))
-            args = (
-                json.loads(trial.user_attrs["engine_args"])
-                if "engine_args" in trial.user_attrs
-                else {}
-            )
-            self._submit(trial, args, attempt + 1)
+            self._submit(trial, TrialView(self._frozen(number)).engine_args, attempt + 1)
             return
         self._tell(trial, result, attempt)
         self.on_event(StudyEvent("finished", number, result=result, trial=self._frozen(number)))
@@ -689,34 +688,8 @@ class StudyDriver:
     def _frozen(self, number: int) -> FrozenTrial:
         return self.study.get_trials(deepcopy=False)[number]
 
-    def _record_attrs(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
-        trial.set_user_attr(STATUS_ATTR, result.status.value)
-        trial.set_user_attr("attempts", attempt + 1)
-        if result.failure_class is not None:
-            trial.set_user_attr("failure_class", result.failure_class.value)
-        if result.message:
-            trial.set_user_attr("message", result.message[:2000])
-        summary = {
-            k: (None if isinstance(v, float) and math.isnan(v) else v)
-            for k, v in result.summary.items()
-        }
-        trial.set_user_attr("summary", summary)
-        if result.memory is not None:
-            trial.set_user_attr("memory", asdict(result.memory))
-        if result.startup_s is not None:
-            trial.set_user_attr("startup_s", round(result.startup_s, 3))
-        if result.replay_s is not None:
-            trial.set_user_attr("replay_s", round(result.replay_s, 3))
-        if result.server_metrics:
-            trial.set_user_attr("server_metrics", dict(result.server_metrics))
-        trial.set_user_attr("log_path", result.log_path)
-        if result.effective_config:
-            trial.set_user_attr("effective_config", dict(result.effective_config))
-        if result.capacity:
-            trial.set_user_attr("capacity", _json_safe(result.capacity))
-
     def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
-        self._record_attrs(trial, result, attempt)
+        record_result(trial, result, attempt)
         objectives = self.plan.objectives
         if result.status is TrialStatus.COMPLETE and result.capacity:
             # A capacity trial: feasible when some scale met every SLO (capacity > 0).
@@ -750,8 +723,7 @@ class StudyDriver:
     ) -> None:
         """Failed, infeasible or rejected: complete, worst values, every constraint violated."""
         if record:
-            trial.set_user_attr(STATUS_ATTR, status.value)
-            trial.set_user_attr("message", message[:2000])
+            record_status(trial, status.value, message)
         slos = self.plan.objectives.slos
         margins = self.plan.objectives.failed_constraints()
         if slos:
@@ -780,17 +752,6 @@ class StudyDriver:
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with NaN / infinity as None, so every storage keeps it as JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def completed_trials(study: optuna.Study) -> list[FrozenTrial]:

@@ -13,7 +13,7 @@ order), so export is three steps, one module each:
 study benchmark all call it.
 """
 
-from optimizer.export.choose import POLICIES, baseline_trial, select_trial
+from optimizer.export.choose import POLICIES, select_trial
 from optimizer.export.render import (
     FORMATS,
     ExportContext,
@@ -42,7 +42,6 @@ __all__ = [
     "ExportContext",
     "Submit",
     "Validation",
-    "baseline_trial",
     "changed_args",
     "choose",
     "context",

@@ -16,16 +16,11 @@ from optuna.trial import FrozenTrial
 
 from optimizer.errors import ConfigError
 from optimizer.report import changed_args
-from optimizer.trial_view import TrialView
+from optimizer.trial_view import TrialView, baseline_of, feasible_front
 
-__all__ = ["POLICIES", "baseline_trial", "select_trial"]
+__all__ = ["POLICIES", "select_trial"]
 
 POLICIES = ("max-throughput", "min-ttft", "min-tpot", "knee", "weighted", "trial")
-
-
-def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The study's baseline trial (vLLM's defaults), if it has one."""
-    return next((t for t in study.get_trials(deepcopy=False) if TrialView(t).is_baseline), None)
 
 
 def _metric_index(study: optuna.Study, metric: str) -> int:
@@ -78,7 +73,7 @@ def select_trial(
     trials = study.get_trials(deepcopy=False)
     # Ties: fewer changes against the baseline, feasible or not (its effective settings say
     # which flags are vLLM's own defaults).
-    baseline = baseline_trial(study)
+    baseline = baseline_of(study)
     if policy == "trial":
         if trial_number is None or not 0 <= trial_number < len(trials):
             raise ConfigError(f"--trial {trial_number}: no such trial (0..{len(trials) - 1})")
@@ -90,7 +85,7 @@ def select_trial(
         return chosen
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
-    front = [t for t in study.best_trials if TrialView(t).feasible]
+    front = feasible_front(study)
     if not front:
         raise ConfigError(
             "no trial meets every SLO: nothing to export (relax the SLOs or tune longer)"

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from optimizer.errors import ConfigError
-from optimizer.export.choose import baseline_trial, select_trial
+from optimizer.export.choose import select_trial
 from optimizer.export.render import ExportContext, trace_label
 from optimizer.export.revalidate import Validation, primary_metrics, validate_choice
 from optimizer.report import changed_args
 from optimizer.service.security import is_secret
-from optimizer.trial_view import TrialView, gpus_per_server
+from optimizer.trial_view import TrialView, baseline_of, gpus_per_server
 from optimizer.types import TrialResult, TrialSpec
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def choose(
     """
     pol = "trial" if trial_number is not None else policy
     chosen = select_trial(study, pol, trial_number=trial_number, weights=weights)
-    base = baseline_trial(study)
+    base = baseline_of(study)
     return Choice(
         policy=pol,
         chosen=TrialView(chosen),

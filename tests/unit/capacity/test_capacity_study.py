@@ -263,10 +263,10 @@ def test_show_json_report_and_export_header_carry_the_capacity(
     out = capsys.readouterr().out
     assert "Capacity at SLO" in out and "for a peak of 100 req/s" in out and "servers" in out
     # report.md and the export header.
-    from optimizer.tracking import _capacity_section
+    from optimizer.analysis.documents import capacity_section
 
     saved = json.loads((plan.out / "plan.json").read_text())
-    section = "\n".join(_capacity_section(study, saved))
+    section = "\n".join(capacity_section(study, saved))
     assert "## Capacity at SLO" in section and "| 1 |" in section
     answer = answer_for_plan(study, saved)
     assert answer is not None
