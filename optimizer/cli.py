@@ -1003,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
     p.set_defaults(func=cmd_mlflow_sync)
-    from optimizer.service_cli import register as register_service
+    from optimizer.service.client import register as register_service
 
     register_service(sub)
     return parser

@@ -99,3 +99,20 @@ class EngineError(AutotuneError):
 
 class ReplayError(AutotuneError):
     """The replay itself could not run as asked."""
+
+
+class NotFound(AutotuneError):
+    """The service has no such job (or trial), or not for this caller."""
+
+
+class SubmissionRefused(AutotuneError):
+    """A submission the service will not run for a reason of policy, not validity.
+
+    Attributes:
+        status: The HTTP status that says why (403: a file outside the allowed roots, 413: an
+            upload over the size limit, 409: the request conflicts with the job's state).
+    """
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status

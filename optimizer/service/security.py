@@ -1,8 +1,8 @@
 """What a submitter may ask of the service: engine flags, environment, paths, document shape.
 
 The service runs other people's jobs as its own user, so a job is data, never code. This module
-holds the allow-lists and limits that make it so; :class:`~optimizer.jobs.JobService` applies
-them at submit time and again before an export (a study stored before a rule existed is
+holds the allow-lists and limits that make it so; :class:`~optimizer.service.facade.JobService`
+applies them at submit time and again before an export (a study stored before a rule existed is
 refused, not exported). A local ``tune`` run is its user's own: none of this applies to it.
 
 - **Engine flags**: only flags that change performance, with values of a checked shape

@@ -1,9 +1,10 @@
 """The HTTP API of the tuner service, and its Ray Serve deployment (thin wiring).
 
-:func:`create_app` maps HTTP onto a :class:`~optimizer.jobs.JobService` (FastAPI; the OpenAPI
-document is at ``/openapi.json``); :func:`build_app` wraps it in a Ray Serve deployment whose
-single replica also runs the :class:`~optimizer.jobs.Scheduler` thread, and :func:`run_service`
-starts it on a cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
+:func:`create_app` maps HTTP onto a :class:`~optimizer.service.facade.JobService`
+(FastAPI; the OpenAPI document is at ``/openapi.json``); :func:`build_app` wraps it in a Ray
+Serve deployment whose single replica also runs the
+:class:`~optimizer.service.scheduler.Scheduler` thread, and :func:`run_service` starts it on a
+cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
 the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
 (413 above it). Errors map to statuses in one place: an invalid job is 422 with the job file
 loader's message (the key's path and the fix), a file outside the allowed roots 403, an unknown
@@ -23,20 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import UploadFile
 
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, NotFound, SubmissionRefused
 from optimizer.export import FORMATS, POLICIES
-from optimizer.jobs import (
-    JobService,
-    JobStore,
-    NotFound,
-    RayDriverLauncher,
-    Scheduler,
-    ServiceSettings,
-    Submission,
-    SubmissionRefused,
-    parse_body,
-    parse_submission,
-)
 from optimizer.service.auth import (
     Principal,
     TokenEntry,
@@ -44,6 +33,12 @@ from optimizer.service.auth import (
     parse_token_env,
     read_token_file,
 )
+from optimizer.service.facade import JobService
+from optimizer.service.scheduler import Scheduler
+from optimizer.service.settings import ServiceSettings
+from optimizer.service.store import JobStore
+from optimizer.service.study_host import RayDriverLauncher
+from optimizer.service.submissions import Submission, parse_body, parse_submission
 
 __all__ = [
     "APP_NAME",
@@ -386,7 +381,7 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
 
 
 def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
-    """The Serve application (``import_path: optimizer.api:build_app`` in a Serve config).
+    """The Serve application (``import_path: optimizer.service.api:build_app`` in a Serve config).
 
     One replica: it owns the scheduler. It asks for no CPU, so it never holds one a trial needs.
     """

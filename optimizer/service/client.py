@@ -1,8 +1,8 @@
 """Command-line side of the tuner service: ``serve`` starts it, a thin HTTP client talks to it.
 
-``serve`` deploys the Ray Serve application of :mod:`optimizer.api` on a Ray cluster (a local
-one unless ``--ray-address``). ``submit``, ``status``, ``cancel`` and ``fetch-export`` call its
-API with the bearer token from ``$VLLM_AUTOTUNE_TOKEN`` or ``--token-file``; the server URL
+``serve`` deploys the Ray Serve application of :mod:`optimizer.service.api` on a Ray cluster (a
+local one unless ``--ray-address``). ``submit``, ``status``, ``cancel`` and ``fetch-export``
+call its API with the bearer token from ``$VLLM_AUTOTUNE_TOKEN`` or ``--token-file``; the server URL
 comes from ``--server`` or ``$VLLM_AUTOTUNE_SERVER``. :func:`register` adds the commands to the
 main parser.
 """
@@ -145,7 +145,7 @@ def _client(ns: argparse.Namespace, timeout_s: float = 60.0) -> ServiceClient:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Deploy the service and keep it up until interrupted (unless --detach)."""
-    from optimizer.api import run_service, settings_from_args
+    from optimizer.service.api import run_service, settings_from_args
 
     settings = settings_from_args(
         {
