@@ -381,40 +381,12 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
 
 
 def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
-    """The Serve application (``import_path: optimizer.service.api:build_app`` in a Serve config).
-
-    One replica: it owns the scheduler. It asks for no CPU, so it never holds one a trial needs.
-    """
-    from ray import serve
+    """The Serve application (``import_path: optimizer.service.api:build_app`` in a Serve
+    config). One replica: it owns the scheduler."""
+    from optimizer.runners import serve_deployment
 
     settings = args if isinstance(args, ServiceSettings) else settings_from_args(args)
-    ingress = serve.ingress()(_Ingress)
-    deployment = serve.deployment(
-        name="autotune-api",
-        num_replicas=1,
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=64,
-        health_check_period_s=10,
-    )(ingress)
-    return deployment.bind(settings)
-
-
-_LOOPBACK = ("127.0.0.1", "::1")
-#: Ray's switch for multi-node clusters (on by default on Linux). Off, Ray's node address is
-#: the loopback one and its servers (GCS, raylet, object manager, workers, agents) listen on
-#: it only; on, Ray replaces a loopback ``_node_ip_address`` by the machine's address and its
-#: gRPC servers listen on every interface.
-_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _single_node_ray() -> None:
-    """Make the local Ray about to start a loopback-only, single-node one (Ray's own mode on
-    macOS and Windows): for its processes through the environment, and for this one, which
-    has read the setting already."""
-    from ray._private import ray_constants
-
-    os.environ[_RAY_CLUSTER_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    return serve_deployment(_Ingress, "autotune-api", settings)
 
 
 def run_service(
@@ -425,22 +397,10 @@ def run_service(
     ray_address: str | None = None,
 ) -> str:
     """Deploy the service on a Ray cluster (a local one without ``ray_address``); its URL."""
-    import ray
-    from ray import serve
+    from optimizer.runners import serve_run, start_ray
 
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
-        if ray_address:
-            ray.init(address=ray_address, **kwargs)
-        else:
-            # A local cluster on the operator's address (deploy/SERVICE.md, "Limits").
-            if host not in ("0.0.0.0", "::"):
-                node_ip = "127.0.0.1" if host == "localhost" else host
-                kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
-                if node_ip in _LOOPBACK:
-                    _single_node_ray()
-            ray.init(object_store_memory=256 * 1024**2, **kwargs)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+    # A local cluster listens on the operator's address (deploy/SERVICE.md, "Limits").
+    start_ray(ray_address, host=host)
+    serve_run(build_app(settings), name=APP_NAME, host=host, port=port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"

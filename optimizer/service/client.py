@@ -178,9 +178,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
+        from optimizer.runners import serve_shutdown
 
-        serve.shutdown()  # type: ignore[no-untyped-call]
+        serve_shutdown()
     return 0
 
 

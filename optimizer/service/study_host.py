@@ -142,7 +142,7 @@ class StudyHost:
     def _run(self) -> None:
         from datetime import timedelta
 
-        from optimizer.runners import RayRunner
+        from optimizer.runners import ClusterLossGuard, RayRunner
         from optimizer.study import StudyDriver, prepare
 
         runner: Any = None
@@ -155,7 +155,7 @@ class StudyHost:
             plan = prepare(job, base)
             security.mark_service_study(plan.out, self.job_id)  # a job queued before markers
             capacity = 1 if plan.context.cpu_build else job.parallel
-            runner = _ClusterLossGuard(
+            runner = ClusterLossGuard(
                 RayRunner(capacity=capacity, cpus_per_trial=self._cpus), lambda: self._cancel
             )
             tracker = self._tracker(plan)
@@ -246,82 +246,6 @@ def _create_driver(make: Callable[[], Any], attempts: int = 3) -> Any:
     raise AssertionError("unreachable")
 
 
-class _ClusterLossGuard:
-    """A runner wrapper: a trial lost because the cluster went away is not a result.
-
-    When a trial's actor dies and the driver did not cancel it, the driver asks the cluster
-    whether its own node is still alive. If it is not (or the cluster does not answer), the
-    driver exits at once without telling the trial, exactly as a killed driver would: the
-    trial stays RUNNING and the next driver fails and re-queues it. A trial actor that died on
-    a healthy cluster (e.g. killed for memory) is a trial failure, passed on as such.
-    """
-
-    def __init__(self, inner: Any, cancelling: Callable[[], bool]) -> None:
-        self.inner = inner
-        self.capacity = inner.capacity
-        self._cancelling = cancelling
-
-    def submit(self, spec: Any, gpus: int) -> Any:
-        import concurrent.futures
-
-        handle = self.inner.submit(spec, gpus)
-        relayed: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def relay(fut: concurrent.futures.Future[Any]) -> None:
-            exc = fut.exception()
-            if exc is None:
-                relayed.set_result(fut.result())
-                return
-            # Decide off Ray's callback thread: the health check may block.
-            threading.Thread(target=self._judge, args=(exc, relayed), daemon=True).start()
-
-        handle.future.add_done_callback(relay)
-        handle.future = relayed
-        return handle
-
-    def _judge(self, exc: BaseException, out: Any) -> None:
-        import os
-
-        import ray
-
-        if (
-            isinstance(exc, ray.exceptions.RayActorError)
-            and not self._cancelling()
-            and not _own_node_alive(timeout_s=15.0)
-        ):
-            os._exit(1)
-        out.set_exception(exc)
-
-    def cancel(self, handle: Any) -> None:
-        self.inner.cancel(handle)
-
-    def release(self, handle: Any) -> None:
-        release = getattr(self.inner, "release", None)
-        if release is not None:
-            release(handle)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _own_node_alive(timeout_s: float) -> bool:
-    """Whether the cluster answers, within ``timeout_s``, that this process's node is alive."""
-    import ray
-
-    answer: list[bool] = []
-
-    def ask() -> None:
-        with contextlib.suppress(Exception):
-            me = ray.get_runtime_context().get_node_id()
-            nodes = ray.nodes()  # type: ignore[no-untyped-call]
-            answer.append(any(n["NodeID"] == me and n["Alive"] for n in nodes))
-
-    t = threading.Thread(target=ask, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return bool(answer and answer[0])
-
-
 class RayDriverLauncher:
     """Each job's driver is a detached, named Ray actor on the current cluster.
 
@@ -334,33 +258,20 @@ class RayDriverLauncher:
     """
 
     def __init__(self, *, mlflow: bool = True, cpus_per_trial: float = 1.0) -> None:
-        import ray
+        from optimizer.runners import DetachedActors
 
-        self._ray = ray
         self._mlflow = mlflow
         self._cpus = cpus_per_trial
-        # num_cpus 0: a driver waits on its trials; it must not hold the CPU a trial needs.
-        # max_concurrency: status and cancel answer while the driver's thread runs.
-        self._cls = ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)(StudyHost)  # type: ignore[call-overload]
+        self._actors = DetachedActors(StudyHost, _NAMESPACE)
 
     @staticmethod
     def actor_name(job_id: str) -> str:
         """The driver actor's name."""
         return f"vllm-autotune-study-{job_id}"
 
-    def _actor(self, job_id: str) -> Any:
-        try:
-            return self._ray.get_actor(self.actor_name(job_id), namespace=_NAMESPACE)
-        except ValueError:
-            return None
-
     def start(self, rec: JobRecord) -> None:
-        self._cls.options(
-            name=self.actor_name(rec.id),
-            namespace=_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-        ).remote(
+        self._actors.start(
+            self.actor_name(rec.id),
             rec.id,
             rec.job,
             rec.base,
@@ -371,35 +282,27 @@ class RayDriverLauncher:
         )
 
     def poll(self, job_id: str) -> DriverStatus | None:
-        actor = self._actor(job_id)
-        if actor is None:
-            return None
         try:
-            doc = self._ray.get(actor.status.remote(), timeout=60)
-        except self._ray.exceptions.GetTimeoutError:
+            doc = self._actors.call(self.actor_name(job_id), "status")
+        except TimeoutError:
             return DriverStatus(state="running", message="the driver did not answer in time")
-        except self._ray.exceptions.RayActorError:
+        except LookupError:
             return None
         return DriverStatus(**doc)
 
     def cancel(self, job_id: str) -> None:
-        actor = self._actor(job_id)
-        if actor is not None:
-            with contextlib.suppress(self._ray.exceptions.RayActorError):
-                self._ray.get(actor.cancel.remote(), timeout=60)
+        with contextlib.suppress(LookupError):
+            self._actors.call(self.actor_name(job_id), "cancel")
 
     def request_stop(self, job_id: str) -> None:
-        actor = self._actor(job_id)
-        if actor is not None:
-            with contextlib.suppress(self._ray.exceptions.RayActorError):
-                self._ray.get(actor.request_stop.remote(), timeout=60)
+        with contextlib.suppress(LookupError):
+            self._actors.call(self.actor_name(job_id), "request_stop")
 
     def release(self, job_id: str) -> None:
-        actor = self._actor(job_id)
-        if actor is not None:
-            self._ray.kill(actor, no_restart=True)
+        self._actors.kill(self.actor_name(job_id))
 
     def cluster_gpus(self) -> int:
         """GPUs of the cluster."""
-        resources: dict[str, float] = self._ray.cluster_resources()  # type: ignore[no-untyped-call]
-        return int(resources.get("GPU", 0))
+        from optimizer.runners import cluster_gpus
+
+        return cluster_gpus()
