@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,7 +49,6 @@ __all__ = [
     "parse_memory_account",
     "parse_prometheus",
     "reap_orphans",
-    "running_engine",
 ]
 
 ENGINE_ID_ENV = "VLLM_AUTOTUNE_ENGINE_ID"
@@ -661,14 +660,6 @@ class EngineProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def running_engine(config: EngineConfig, **kwargs: Any) -> Iterator[EngineProcess]:
-    """Context manager form: ``with running_engine(cfg, log_path=...) as engine: ...``."""
-    engine = EngineProcess(config, **kwargs)
-    with engine:
-        yield engine
 
 
 def cpu_engine_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -66,7 +66,6 @@ __all__ = [
     "StudyEvent",
     "StudyPlan",
     "baseline_defaults",
-    "completed_trials",
     "create_storage",
     "is_baseline",
     "prepare",
@@ -752,8 +751,3 @@ class StudyDriver:
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def completed_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """COMPLETE trials in number order."""
-    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

@@ -756,7 +756,6 @@ class Tracker:
         self.last_error = ""
         self._queue: queue.Queue[Any] = queue.Queue()
         self._abandon = threading.Event()
-        self._idle = threading.Event()
         self._closed = False
         self._pending: set[int] = set()
         self._lock = threading.Lock()
@@ -774,7 +773,6 @@ class Tracker:
     def on_event(self, event: StudyEvent) -> None:
         """Queue a driver event; never blocks, never raises."""
         if event.kind in ("finished", "rejected", "stale"):
-            self._idle.clear()
             self._queue.put(("trial", event.number))
 
     def finish(self, study: optuna.Study | None = None) -> bool:
@@ -784,7 +782,6 @@ class Tracker:
             True when everything was logged.
         """
         if not self._closed:
-            self._idle.clear()
             self._queue.put(("finish", None))
         return self.close()
 
@@ -843,7 +840,6 @@ class Tracker:
                 elif it[0] == "inputs":
                     inputs = True
             if not (inputs or finish or front or self._pending):
-                self._idle.set()
                 if stopping:
                     return
                 continue

@@ -466,14 +466,6 @@ class SearchSpace(_Strict):
                 values[name] = param.suggest(trial, name)
         return _assemble(values, self._switched())
 
-    def defaults_for_baseline(self) -> dict[str, Any]:
-        """Engine arguments of the baseline trial: the fixed flags only (vLLM decides the rest).
-
-        Returns:
-            The fixed flags, dotted ones assembled, null values left out.
-        """
-        return _assemble(dict(self.fixed), self._switched())
-
     def flag_values(self) -> dict[str, list[Any]]:
         """Representative values of every top-level flag, for validation against vLLM.
 
