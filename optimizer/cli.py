@@ -56,13 +56,13 @@ def engine_config_for(
 ) -> tuple[Any, list[str]]:
     """Build an EngineConfig with the defaults a local run needs; returns it and notes to show.
 
-    The defaults are study preparation's (:mod:`optimizer.engine_defaults`: dummy weights for
+    The defaults are study preparation's (:mod:`optimizer.engine.defaults`: dummy weights for
     a folder without weight files, the CPU build's KV cache variable). Arguments are validated
     against the installed vLLM before anything starts.
     """
-    from optimizer.engine_defaults import apply_engine_defaults
+    from optimizer.engine.defaults import apply_engine_defaults
+    from optimizer.engine.flags import accepted_flags, installed_vllm, validate_engine_args
     from optimizer.types import EngineConfig
-    from optimizer.vllm_flags import accepted_flags, installed_vllm, validate_engine_args
 
     install = installed_vllm(python)
     defaults = apply_engine_defaults(
@@ -81,7 +81,7 @@ def engine_config_for(
 
 
 def cmd_make_model(ns: argparse.Namespace) -> int:
-    from optimizer.modelgen import PRESETS, make_model
+    from optimizer.engine.models import PRESETS, make_model
 
     out = make_model(ns.dir, ns.preset, max_model_len=ns.max_model_len)
     spec = PRESETS[ns.preset]
@@ -109,7 +109,7 @@ def _memory_table(account: Any, startup_s: float | None) -> Table:
 def cmd_engine_check(ns: argparse.Namespace) -> int:
     import httpx
 
-    from optimizer.engine import EngineProcess
+    from optimizer.engine.process import EngineProcess
 
     config, notes = engine_config_for(
         ns.model, parse_engine_args(ns.engine_arg), python=ns.python, kv_cache_gib=ns.kv_cache_gib
@@ -133,7 +133,7 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
         return 1
     try:
         console.print(_memory_table(engine.memory_account(), engine.startup_s))
-        from optimizer.modelgen import model_info
+        from optimizer.engine.models import model_info
 
         low = 256
         if Path(ns.model).is_dir():
@@ -332,7 +332,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from objectives import parse_slo, summarize
-    from optimizer.engine_defaults import prompt_token_range
+    from optimizer.engine.defaults import prompt_token_range
     from optimizer.trial import boost_priority, run_trial, write_records
     from optimizer.types import TrialSpec, TrialStatus
     from optimizer.workload.prompts import TokenRange
@@ -791,7 +791,7 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     import importlib.metadata as md
     import re
 
-    from optimizer.vllm_flags import accepted_flags, installed_vllm
+    from optimizer.engine.flags import accepted_flags, installed_vllm
 
     try:
         reqs = md.requires("ray") or []
@@ -850,7 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
         "make-model", help="write a weight-less model folder for --load-format dummy"
     )
     p.add_argument("dir")
-    from optimizer.modelgen import PRESETS
+    from optimizer.engine.models import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument(

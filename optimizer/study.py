@@ -48,7 +48,7 @@ from objectives import ObjectiveSet, load_objectives
 from optimizer.capacity.measure import dev_mode_env
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
-from optimizer.engine_defaults import apply_engine_defaults, prompt_token_range
+from optimizer.engine.defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
 from optimizer.trial_view import (
     BASELINE_ATTR,
@@ -220,8 +220,8 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     Raises:
         ConfigError: Anything wrong with the job, its trace, its space or its flags.
     """
-    from optimizer.modelgen import make_model, model_info
-    from optimizer.vllm_flags import accepted_flags, installed_vllm, validate_engine_args
+    from optimizer.engine.flags import accepted_flags, installed_vllm, validate_engine_args
+    from optimizer.engine.models import make_model, model_info
     from optimizer.workload.formats import read_trace
     from optimizer.workload.shaping import ShapeSpec, shape
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
 from optimizer.capacity.trial import run_capacity
-from optimizer.engine import EngineProcess
+from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
 from optimizer.trial_io import read_records, write_records
 from optimizer.types import (

@@ -628,7 +628,7 @@ def _prepare_check(job: JobConfig, base: Path) -> None:
 
 @functools.cache
 def _has_vllm() -> bool:
-    from optimizer.vllm_flags import installed_vllm
+    from optimizer.engine.flags import installed_vllm
 
     try:
         installed_vllm()

@@ -396,7 +396,7 @@ def test_resumed_seeded_study_never_reruns_a_measured_configuration(tmp_path: Pa
 def test_a_model_folder_with_weights_is_never_served_dummy_weights(
     tmp_path: Path, weights: str
 ) -> None:
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
 
     make_model(str(tmp_path / "model"), "tiny", max_model_len=2048)
     (tmp_path / "model" / weights).write_bytes(b"\0")

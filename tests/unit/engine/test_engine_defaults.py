@@ -1,11 +1,11 @@
-"""The one rule for engine defaults (optimizer.engine_defaults), shared by the CLI and study
+"""The one rule for engine defaults (optimizer.engine.defaults), shared by the CLI and study
 preparation."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from optimizer.engine_defaults import apply_engine_defaults, prompt_token_range
+from optimizer.engine.defaults import apply_engine_defaults, prompt_token_range
 
 
 def test_cpu_build_gets_the_kv_cache_variable_unless_sized_in_bytes(tmp_path: Path) -> None:

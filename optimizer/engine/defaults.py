@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optimizer.vllm_flags import normalize_flag
+from optimizer.engine.flags import normalize_flag
 
 __all__ = ["EngineDefaults", "apply_engine_defaults", "has_weights", "prompt_token_range"]
 
@@ -90,7 +90,7 @@ def prompt_token_range(model: str | None, explicit: Sequence[int] | None = None)
     if explicit:
         return int(explicit[0]), int(explicit[1])
     if model and Path(model).is_dir():
-        from optimizer.modelgen import model_info
+        from optimizer.engine.models import model_info
 
         info = model_info(model)
         return info.prompt_low, info.prompt_high
