@@ -48,7 +48,7 @@ from pydantic import (
     model_validator,
 )
 
-from optimizer.errors import ConfigError
+from optimizer.errors import SearchSpaceError
 
 if TYPE_CHECKING:
     from optuna.trial import BaseTrial
@@ -77,10 +77,6 @@ _PARAM_TYPES: Final[tuple[str, ...]] = ("int", "float", "categorical")
 _SWITCH_KEY: Final[str] = "method"
 _FLOAT_TOLERANCE: Final[float] = 1e-9
 _GRID_DECIMALS: Final[int] = 12
-
-
-class SearchSpaceError(ConfigError, ValueError):
-    """A search space is malformed; the message names the key at fault and the fix."""
 
 
 def normalize_flag(name: str) -> str:
