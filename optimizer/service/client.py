@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -199,16 +198,10 @@ def cmd_token(ns: argparse.Namespace) -> int:
 
 
 def _job_from_file(path: str) -> tuple[dict[str, Any], Path]:
+    from optimizer.config import read_job_document
+
     file = Path(path)
-    try:
-        doc = yaml.safe_load(file.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{file}: cannot read job file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{file}: a job file is a YAML mapping (name, model, trace, ...)")
-    return doc, file.parent
+    return read_job_document(file), file.parent
 
 
 def cmd_submit(ns: argparse.Namespace) -> int:
