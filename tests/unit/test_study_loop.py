@@ -3,7 +3,6 @@ rejections, budget, resume after a dead driver."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import subprocess
 import sys
@@ -19,28 +18,20 @@ from optimizer.config import load_job
 from optimizer.report import front_rows, study_status
 from optimizer.study import StudyDriver, is_baseline, prepare
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
+from tests.fakes.trials import FakeHandle, ScriptedRunner
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class FakeHandle:
-    def __init__(self, spec: TrialSpec, result: TrialResult) -> None:
-        self.spec = spec
-        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
-        self.future.set_result(result)
-
-
-class FakeRunner:
+class FakeRunner(ScriptedRunner):
     """Scores a configuration with a made-up but deterministic model of a server.
 
     More max-num-seqs: more throughput and more TPOT; a `kv-cache-memory-bytes` of 1 fails like a
     KV cache too small; `fail_replay_once` makes the first attempt of each trial invalid.
     """
 
-    capacity = 1
-
     def __init__(self, fail_replay_once: bool = False) -> None:
-        self.specs: list[TrialSpec] = []
+        super().__init__()
         self.fail_replay_once = fail_replay_once
 
     def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
@@ -96,12 +87,6 @@ class FakeRunner:
                 replay_s=1.0,
             ),
         )
-
-    def cancel(self, handle: FakeHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
@@ -318,9 +303,7 @@ class _HangingRunner(FakeRunner):
         if spec.number == 0:
             return super().submit(spec, gpus)
         self.specs.append(spec)
-        handle = FakeHandle.__new__(FakeHandle)
-        handle.spec = spec
-        handle.future = concurrent.futures.Future()
+        handle = FakeHandle(spec)  # pending until cancelled
         self.started.set()
         return handle
 

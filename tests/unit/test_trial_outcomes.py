@@ -1,4 +1,6 @@
-"""run_trial's outcomes with a FAKE engine and a FAKE replay (no vLLM, no network)."""
+"""run_trial's outcomes with a FAKE engine (tests/fakes/trials.py: the fake OpenAI server on
+loopback), no vLLM: a measured trial, an engine that does not start, one that dies while it is
+measured, and one definition of send lag in the summary."""
 
 from __future__ import annotations
 
@@ -8,53 +10,72 @@ from typing import Any
 import pytest
 
 from optimizer import trial as trial_mod
-from optimizer.types import EngineConfig, RequestRecord, Trace, TraceRequest, TrialSpec
+from optimizer.errors import EngineError
+from optimizer.types import (
+    EngineConfig,
+    FailureClass,
+    RequestRecord,
+    Trace,
+    TraceRequest,
+    TrialSpec,
+    TrialStatus,
+)
 from optimizer.workload.replay import ReplayResult
+from tests.fakes.trials import FakeEngine
 
 
-class FakeEngine:
-    """Starts at once, serves nothing, stays alive."""
-
-    def __init__(self, config: EngineConfig, *, log_path: Path, **_kw: Any) -> None:
-        self.config = config
-        self.log_path = log_path
-        self.url = "http://127.0.0.1:9"
-        self.startup_s = 0.1
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def check_alive(self) -> None:
-        pass
-
-    def memory_account(self) -> None:
-        return None
-
-    def effective_config(self) -> dict[str, str]:
-        return {}
-
-    def scrape_metrics(self) -> dict[str, float]:
-        return {}
-
-
-def _spec(tmp_path: Path) -> TrialSpec:
+def _spec(tmp_path: Path, n: int = 12) -> TrialSpec:
     trace = Trace(
         requests=tuple(
-            TraceRequest(arrival_s=0.1 * i, input_tokens=8, output_tokens=4) for i in range(20)
+            TraceRequest(arrival_s=0.05 * i, input_tokens=8, output_tokens=4) for i in range(n)
         ),
     )
     return TrialSpec(
         number=3,
-        engine=EngineConfig(model="org/model", args={}),
+        engine=EngineConfig(model="fake-model", args={}),
         trace=trace,
         workdir=str(tmp_path / "trial"),
         token_range=(1000, 2000),
         seed=1,
         warmup_requests=2,
+        max_send_lag_ms=1000.0,
     )
+
+
+def _engine_error(cls: FailureClass) -> EngineError:
+    return EngineError(
+        "failed",
+        failure_class=cls,
+        explanation="explained",
+        log_path="engine.log",
+        log_lines=("a line",),
+    )
+
+
+def test_a_served_replay_is_a_complete_measurement(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    result = trial_mod.run_trial(_spec(tmp_path), engine=engine)
+    assert result.status is TrialStatus.COMPLETE, result.message
+    assert result.summary["completed"] == 10 and result.summary["error_rate"] == 0.0
+    assert engine.stopped
+    assert (tmp_path / "trial" / "result.json").is_file()
+    assert (tmp_path / "trial" / "records.jsonl.gz").is_file()
+
+
+def test_an_engine_that_does_not_start_is_a_failure_with_its_class(tmp_path: Path) -> None:
+    engine = FakeEngine(fail_start=_engine_error(FailureClass.KV_CACHE_TOO_SMALL))
+    result = trial_mod.run_trial(_spec(tmp_path), engine=engine)
+    assert result.status is TrialStatus.FAILED
+    assert result.failure_class is FailureClass.KV_CACHE_TOO_SMALL
+    assert result.log_lines == ("a line",) and engine.stopped
+
+
+def test_an_engine_that_dies_while_measured_keeps_what_was_measured(tmp_path: Path) -> None:
+    engine = FakeEngine(die_after_replay=_engine_error(FailureClass.ENGINE_CRASHED))
+    result = trial_mod.run_trial(_spec(tmp_path), engine=engine)
+    assert result.status is TrialStatus.FAILED
+    assert result.message.startswith("the engine died during the replay")
+    assert result.summary["completed"] == 10 and len(result.records) == 12
 
 
 def _records(lag_s: float) -> tuple[RequestRecord, ...]:
@@ -97,11 +118,10 @@ def test_summary_send_lag_has_one_definition(
             stopped_early=False,
         )
 
-    monkeypatch.setattr(trial_mod, "EngineProcess", FakeEngine)
     monkeypatch.setattr(trial_mod, "_replay", fake_replay)
-    result = trial_mod.run_trial(_spec(tmp_path))
+    result = trial_mod.run_trial(_spec(tmp_path), engine=FakeEngine())
     s = result.summary
-    assert result.status.value == "complete"
+    assert result.status is TrialStatus.COMPLETE
     assert s["p50_send_lag_ms"] <= s["p99_send_lag_ms"] <= s["max_send_lag_ms"]
     assert s["p99_send_lag_ms"] == pytest.approx(1.0, abs=0.01)
     assert s["max_send_lag_ms"] == pytest.approx(1.0, abs=0.01)
