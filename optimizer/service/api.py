@@ -82,6 +82,107 @@ def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=body)
 
 
+#: OpenAPI description of a submission body (JSON, YAML or multipart).
+_SUBMISSION_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": (
+            "A job (the job file's schema), or an envelope {job, not_before, until, "
+            "trace_upload: {filename, content_b64}}; JSON or YAML. Multipart: a `job` part "
+            "(JSON or YAML, either shape), an optional `trace` file part, optional "
+            "`not_before` / `until` fields."
+        ),
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "application/yaml": {"schema": {"type": "string"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "job": {"type": "string"},
+                        "trace": {"type": "string", "format": "binary"},
+                        "not_before": {"type": "string", "format": "date-time"},
+                        "until": {"type": "string", "format": "date-time"},
+                    },
+                    "required": ["job"],
+                }
+            },
+        },
+    }
+}
+
+
+def _map_errors(app: FastAPI, limit: int) -> None:
+    """Errors to statuses, in one place: 422 invalid, 404 unknown, the refusal's own, 413."""
+
+    @app.exception_handler(ConfigError)
+    async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
+        return _error(422, str(exc))
+
+    @app.exception_handler(NotFound)
+    async def _missing(_r: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(SubmissionRefused)
+    async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.exception_handler(_TooLarge)
+    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
+        return _error(413, f"the request is larger than {limit} bytes")
+
+
+async def _read_submission(
+    request: Request, limit: int
+) -> tuple[Submission, tuple[str, bytes] | None]:
+    """A submission and its uploaded trace (file name, bytes) from a JSON, YAML or multipart
+    body of at most ``limit`` bytes."""
+    body = await _read_body(request, limit)
+    ctype = request.headers.get("content-type", "")
+    upload: tuple[str, bytes] | None = None
+    if ctype.startswith("multipart/form-data"):
+        request._body = body  # the form parser reads the buffered, size-checked body
+        form = await request.form(max_part_size=limit)
+        part = form.get("job")
+        if part is None:
+            raise ConfigError("multipart submission: the `job` part is missing")
+        if isinstance(part, UploadFile):
+            raw, part_type = await part.read(), part.content_type or ""
+        else:
+            raw, part_type = part.encode(), ""
+        sub = parse_submission(parse_body(raw, part_type))
+        window: dict[str, Any] = {}
+        for key in ("not_before", "until"):
+            value = form.get(key)
+            if isinstance(value, str) and value:
+                try:
+                    window[key] = datetime.fromisoformat(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
+        if window:
+            sub = sub.model_copy(update=window)
+        trace = form.get("trace")
+        if isinstance(trace, UploadFile):
+            upload = (trace.filename or "trace", await trace.read())
+    else:
+        sub = parse_submission(parse_body(body, ctype))
+    return sub, upload
+
+
+def _weights(items: list[str]) -> dict[str, float]:
+    """``OBJECTIVE=NUMBER`` query values as weights."""
+    weights: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
+    return weights
+
+
 def create_app(service: JobService) -> FastAPI:
     """The FastAPI application over ``service``.
 
@@ -115,21 +216,7 @@ def create_app(service: JobService) -> FastAPI:
     authed = [Depends(auth)]
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
-    @app.exception_handler(ConfigError)
-    async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
-        return _error(422, str(exc))
-
-    @app.exception_handler(NotFound)
-    async def _missing(_r: Request, exc: NotFound) -> JSONResponse:
-        return _error(404, str(exc))
-
-    @app.exception_handler(SubmissionRefused)
-    async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
-        return _error(exc.status, str(exc))
-
-    @app.exception_handler(_TooLarge)
-    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
-        return _error(413, f"the request is larger than {settings.max_upload_bytes} bytes")
+    _map_errors(app, settings.max_upload_bytes)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, Any]:
@@ -140,72 +227,16 @@ def create_app(service: JobService) -> FastAPI:
     def openapi() -> dict[str, Any]:
         return app.openapi()
 
-    body_doc = {
-        "requestBody": {
-            "required": True,
-            "description": (
-                "A job (the job file's schema), or an envelope {job, not_before, until, "
-                "trace_upload: {filename, content_b64}}; JSON or YAML. Multipart: a `job` part "
-                "(JSON or YAML, either shape), an optional `trace` file part, optional "
-                "`not_before` / `until` fields."
-            ),
-            "content": {
-                "application/json": {"schema": {"type": "object"}},
-                "application/yaml": {"schema": {"type": "string"}},
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "job": {"type": "string"},
-                            "trace": {"type": "string", "format": "binary"},
-                            "not_before": {"type": "string", "format": "date-time"},
-                            "until": {"type": "string", "format": "date-time"},
-                        },
-                        "required": ["job"],
-                    }
-                },
-            },
-        }
-    }
-
     @app.post(
         "/v1/studies",
         dependencies=authed,
         status_code=201,
         tags=["studies"],
-        openapi_extra=body_doc,
+        openapi_extra=_SUBMISSION_BODY,
     )
     async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
-        body = await _read_body(request, settings.max_upload_bytes)
-        ctype = request.headers.get("content-type", "")
-        upload: tuple[str, bytes] | None = None
-        if ctype.startswith("multipart/form-data"):
-            request._body = body  # the form parser reads the buffered, size-checked body
-            form = await request.form(max_part_size=settings.max_upload_bytes)
-            part = form.get("job")
-            if part is None:
-                raise ConfigError("multipart submission: the `job` part is missing")
-            if isinstance(part, UploadFile):
-                raw, part_type = await part.read(), part.content_type or ""
-            else:
-                raw, part_type = part.encode(), ""
-            sub = parse_submission(parse_body(raw, part_type))
-            window: dict[str, Any] = {}
-            for key in ("not_before", "until"):
-                value = form.get(key)
-                if isinstance(value, str) and value:
-                    try:
-                        window[key] = datetime.fromisoformat(value)
-                    except ValueError as exc:
-                        raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
-            if window:
-                sub = sub.model_copy(update=window)
-            trace = form.get("trace")
-            if isinstance(trace, UploadFile):
-                upload = (trace.filename or "trace", await trace.read())
-        else:
-            sub = parse_submission(parse_body(body, ctype))
+        sub, upload = await _read_submission(request, settings.max_upload_bytes)
         rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
         return {**service.summary(rec), "notes": notes}
 
@@ -245,21 +276,12 @@ def create_app(service: JobService) -> FastAPI:
         who: Principal = caller,
     ) -> Response:
         """The chosen configuration as a download (re-validation only with validate=true)."""
-        weights: dict[str, float] = {}
-        for item in weight or []:
-            key, sep, value = item.partition("=")
-            try:
-                weights[key] = float(value)
-            except ValueError:
-                sep = ""
-            if not sep:
-                raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
         result = service.export(
             study_id,
             format,
             policy,
             trial=trial,
-            weights=weights,
+            weights=_weights(weight or []),
             validate=validate,
             runs=runs,
             force=force,
