@@ -839,13 +839,8 @@ def _add_capacity_pricing(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vllm-autotune",
-        description="Find the vLLM engine configuration that serves your real traffic best.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_model_commands(sub: Any) -> None:
+    """make-model, engine check: model folders and one server."""
     p = sub.add_parser(
         "make-model", help="write a weight-less model folder for --load-format dummy"
     )
@@ -891,6 +886,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="server log file (default: in --workdir)")
     p.set_defaults(func=cmd_engine_check)
 
+
+def _add_trace_commands(sub: Any) -> None:
+    """trace inspect / convert, and replay: traces and one measurement."""
     tr = sub.add_parser("trace", help="inspect and convert traces").add_subparsers(
         dest="trace_cmd", required=True
     )
@@ -934,6 +932,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for records.jsonl.gz and summary.json")
     _add_shaping(p)
     p.set_defaults(func=cmd_replay)
+
+
+def _add_study_commands(sub: Any) -> None:
+    """tune, export, show, mlflow-sync: a study and what comes of it."""
     p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")
     p.add_argument("job", help="job YAML file")
     p.add_argument("--trials", type=int, default=None, help="override the job's trial count")
@@ -1003,6 +1005,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
     p.set_defaults(func=cmd_mlflow_sync)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The vllm-autotune command line: one sub-command per job."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-autotune",
+        description="Find the vLLM engine configuration that serves your real traffic best.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_model_commands(sub)
+    _add_trace_commands(sub)
+    _add_study_commands(sub)
     from optimizer.service.client import register as register_service
 
     register_service(sub)
