@@ -1,4 +1,6 @@
-"""Reports on a study: the feasible Pareto front beside the baseline, with the gain over it.
+"""Terminal reports on a study: the feasible Pareto front beside the baseline, with the gain
+over it (:func:`front_rows`, also the rows of :mod:`optimizer.analysis.front`'s documents), and
+the study's status.
 
 Reads only the Optuna storage (the study's source of truth), so ``vllm-autotune show`` works
 for a running study, a finished one, and one whose driver died.
