@@ -214,22 +214,14 @@ def _gpu_facts() -> tuple[int, float, str]:
     return len(out), float(mem) / 1024.0, name.strip()
 
 
-def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
-    """Validate a job completely and build its plan; nothing is started.
+def _shaped_trace(job: JobConfig) -> tuple[Trace, tuple[str, ...]]:
+    """The job's trace, read and shaped, and what reading and shaping did.
 
     Raises:
-        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+        ConfigError: Too few requests left after the warm-up ones.
     """
-    from optimizer.engine.flags import accepted_flags, installed_vllm, validate_engine_args
-    from optimizer.engine.models import make_model, model_info
     from optimizer.workload.formats import read_trace
     from optimizer.workload.shaping import ShapeSpec, shape
-
-    out = job.output_dir(base)
-    out.mkdir(parents=True, exist_ok=True)
-    model = job.model.path
-    if job.model.make and not (Path(model) / "config.json").exists():
-        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
 
     trace, report = read_trace(
         job.trace.path, job.trace.format, skip_bad_rows=job.trace.skip_bad_rows
@@ -241,8 +233,40 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
             f"{job.trace.warmup_requests} warm-up requests: widen the window or lower "
             "warmup_requests"
         )
-    notes = (report.summary(), *(r.summary() for r in reports))
+    return shaped, (report.summary(), *(r.summary() for r in reports))
 
+
+def _validate_flags(
+    install: Any, space: SearchSpace, engine_args: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    """Every flag a trial can get, checked against the installed vLLM before anything starts."""
+    from optimizer.engine.flags import accepted_flags, validate_engine_args
+
+    flags = accepted_flags(install)
+    validate_engine_args(engine_args, flags)
+    validate_engine_args(baseline, flags)
+    # flag_values covers the space's fixed flags too, with dotted keys assembled.
+    for flag, values in space.flag_values().items():
+        for value in values:
+            validate_engine_args({flag: value}, flags)
+
+
+def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
+    """Validate a job completely and build its plan; nothing is started.
+
+    Raises:
+        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+    """
+    from optimizer.engine.flags import installed_vllm
+    from optimizer.engine.models import make_model, model_info
+
+    out = job.output_dir(base)
+    out.mkdir(parents=True, exist_ok=True)
+    model = job.model.path
+    if job.model.make and not (Path(model) / "config.json").exists():
+        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
+
+    shaped, notes = _shaped_trace(job)
     space = load_space(job.search_space)
     objectives = load_objectives(
         job.objectives.preset if not job.objectives.objectives else None,
@@ -273,14 +297,8 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         ),
     }
 
-    if check_flags and install is not None:
-        flags = accepted_flags(install)
-        validate_engine_args(engine_args, flags)
-        validate_engine_args(baseline, flags)
-        # flag_values covers the space's fixed flags too, with dotted keys assembled.
-        for flag, values in space.flag_values().items():
-            for value in values:
-                validate_engine_args({flag: value}, flags)
+    if install is not None:
+        _validate_flags(install, space, engine_args, baseline)
 
     token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
