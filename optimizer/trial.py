@@ -199,6 +199,29 @@ def _died(spec: TrialSpec, exc: EngineError, during: str, **measured: Any) -> Tr
     )
 
 
+def _client_side(
+    fn: Callable[..., _T],
+    spec: TrialSpec,
+    server: Engine,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> tuple[_T, dict[str, Any], dict[str, float]]:
+    """Run the client side on a healthy server: its outcome, the result fields every
+    measurement has (startup and replay times, memory account, effective config), and the
+    server's metrics read after it."""
+    memory = server.memory_account()
+    effective = server.effective_config()
+    t0 = time.monotonic()
+    outcome = _in_client(fn, spec, server.url, progress, isolate_client)
+    fields: dict[str, Any] = {
+        "startup_s": server.startup_s,
+        "replay_s": time.monotonic() - t0,
+        "memory": memory,
+        "effective_config": effective,
+    }
+    return outcome, fields, _scrape(server)
+
+
 def _measure_capacity(
     spec: TrialSpec,
     server: Engine,
@@ -206,21 +229,10 @@ def _measure_capacity(
     isolate_client: bool,
 ) -> TrialResult:
     """A capacity trial on a healthy server: the rate search, then the server's state."""
-    memory = server.memory_account()
-    effective = server.effective_config()
-    t0 = time.monotonic()
-    outcome = _in_client(run_capacity, spec, server.url, progress, isolate_client)
-    replay_s = time.monotonic() - t0
-    server_metrics = _scrape(server)
-    measured: dict[str, Any] = {
-        "records": outcome.records,
-        "summary": outcome.summary,
-        "startup_s": server.startup_s,
-        "replay_s": replay_s,
-        "memory": memory,
-        "effective_config": effective,
-        "capacity": outcome.doc,
-    }
+    outcome, measured, server_metrics = _client_side(
+        run_capacity, spec, server, progress, isolate_client
+    )
+    measured.update(records=outcome.records, summary=outcome.summary, capacity=outcome.doc)
     try:
         server.check_alive()
     except EngineError as exc:
@@ -243,23 +255,12 @@ def _measure_replay(
 ) -> TrialResult:
     """A fixed-load trial on a healthy server: replay the trace, summarize, judge."""
     slos = [parse_slo(s) for s in spec.slos]
-    memory = server.memory_account()
-    effective = server.effective_config()
-    t0 = time.monotonic()
-    replay = _in_client(_replay, spec, server.url, progress, isolate_client)
-    replay_s = time.monotonic() - t0
-    server_metrics = _scrape(server)
+    replay, common, server_metrics = _client_side(_replay, spec, server, progress, isolate_client)
     stopped = replay.stopped_early and replay.stop_reason.startswith(EARLY_STOP_PREFIX)
     # Requests an early stop never sent or cancelled are not the server's failures.
     measured = measured_records(replay.records) if stopped else list(replay.records)
     summary = dict(summarize(measured, slos=slos))
-    common: dict[str, Any] = {
-        "records": replay.records,
-        "startup_s": server.startup_s,
-        "replay_s": replay_s,
-        "memory": memory,
-        "effective_config": effective,
-    }
+    common["records"] = replay.records
     try:
         server.check_alive()
     except EngineError as exc:
