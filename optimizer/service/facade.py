@@ -188,77 +188,10 @@ class JobService:
     ) -> tuple[JobRecord, list[str]]:
         security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
         doc = json.loads(json.dumps(sub.job, default=str))
-        notes: list[str] = []
-        if sub.trace_upload is not None:
-            try:
-                data = base64.b64decode(sub.trace_upload.content_b64, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise ConfigError(f"trace_upload.content_b64: not valid base64 ({exc})") from exc
-            upload = (sub.trace_upload.filename, data)
-        if upload is not None:
-            name, data = upload
-            if len(data) > self.settings.max_upload_bytes:
-                raise SubmissionRefused(
-                    f"the trace is {len(data)} bytes; the limit is "
-                    f"{self.settings.max_upload_bytes} bytes",
-                    status=413,
-                )
-            trace = doc.get("trace")
-            if not isinstance(trace, dict):
-                trace = {}
-                doc["trace"] = trace
-            upload_dir.mkdir(parents=True, exist_ok=True)
-            path = upload_dir / safe_filename(name)
-            path.write_bytes(data)
-            trace["path"] = str(path)
-            notes.append(f"trace: the uploaded file ({len(data)} bytes)")
-        out = self.data_dir / "studies" / job_id
-        if isinstance(doc.get("out"), str):
-            notes.append(f"out: ignored ({doc['out']}); the service keeps studies in {out}")
-        doc["out"] = str(out)
-        if doc.get("ray_address"):
-            notes.append("ray_address: ignored; studies run on the service's cluster")
-        doc["ray_address"] = None
-        notes += self._operator_urls(doc)
-        engine = doc.get("engine")
-        if isinstance(engine, dict):
-            if engine.get("python"):
-                raise ConfigError(
-                    "engine.python: the service runs servers with its own vLLM; remove the key"
-                )
-            # Not mappings: the job loader below says so (iterating them here would be a 500).
-            if isinstance(engine.get("env"), dict):
-                security.check_env(engine["env"])
-            for key in ("args", "baseline_args"):
-                if isinstance(engine.get(key), dict):
-                    security.check_engine_args(engine[key], f"engine.{key}")
-        model = doc.get("model")
-        made = isinstance(model, dict) and model.get("make") and isinstance(model.get("path"), str)
-        if made and not model["path"].startswith(("/", "~")):  # a relative target: ours
-            model["path"] = str(self.models_dir / model["path"])
-        base = self.roots[0] if self.roots else self.data_dir
-        job, base = load_job(doc, base=base)
-        self._check_model(job)
-        trace_path = Path(job.trace.path)
-        if not self._under_roots(trace_path, [upload_dir]):
-            raise SubmissionRefused(
-                f"trace.path {job.trace.path}: outside the service's trace roots ("
-                + (", ".join(str(r) for r in self.roots) or "none configured")
-                + "): upload the trace with the request (trace_upload, or a multipart `trace` "
-                "part) or ask the operator to add a --trace-root",
-                status=403,
-            )
-        space = job.search_space
-        if (
-            isinstance(space, str)
-            and space.endswith((".yaml", ".yml"))
-            and not self._under_roots(Path(space))
-        ):
-            raise SubmissionRefused(
-                f"search_space {space}: outside the service's trace roots; inline the "
-                "space in the job or use a preset name",
-                status=403,
-            )
+        notes = self._store_upload(doc, sub, upload, upload_dir)
+        notes += self._service_owned_keys(doc, job_id)
+        job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
+        self._check_files(job, upload_dir)
         self._check_space(job)
         self._prepare(job, base)
         now = self.clock()
@@ -283,6 +216,94 @@ class JobService:
         rec = self.store.add(rec)
         self.scheduler.wake()
         return rec, notes
+
+    def _store_upload(
+        self,
+        doc: dict[str, Any],
+        sub: Submission,
+        upload: tuple[str, bytes] | None,
+        upload_dir: Path,
+    ) -> list[str]:
+        """An uploaded trace (multipart part or base64 in the envelope) saved under
+        ``upload_dir`` and named in ``doc``'s trace.path."""
+        if sub.trace_upload is not None:
+            try:
+                data = base64.b64decode(sub.trace_upload.content_b64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ConfigError(f"trace_upload.content_b64: not valid base64 ({exc})") from exc
+            upload = (sub.trace_upload.filename, data)
+        if upload is None:
+            return []
+        name, data = upload
+        if len(data) > self.settings.max_upload_bytes:
+            raise SubmissionRefused(
+                f"the trace is {len(data)} bytes; the limit is "
+                f"{self.settings.max_upload_bytes} bytes",
+                status=413,
+            )
+        trace = doc.get("trace")
+        if not isinstance(trace, dict):
+            trace = {}
+            doc["trace"] = trace
+        upload_dir.mkdir(parents=True, exist_ok=True)
+        path = upload_dir / safe_filename(name)
+        path.write_bytes(data)
+        trace["path"] = str(path)
+        return [f"trace: the uploaded file ({len(data)} bytes)"]
+
+    def _service_owned_keys(self, doc: dict[str, Any], job_id: str) -> list[str]:
+        """What the service decides, not the submitter: the output folder, the cluster,
+        operator URLs, the vLLM install; engine flags and environment under the policy."""
+        notes: list[str] = []
+        out = self.data_dir / "studies" / job_id
+        if isinstance(doc.get("out"), str):
+            notes.append(f"out: ignored ({doc['out']}); the service keeps studies in {out}")
+        doc["out"] = str(out)
+        if doc.get("ray_address"):
+            notes.append("ray_address: ignored; studies run on the service's cluster")
+        doc["ray_address"] = None
+        notes += self._operator_urls(doc)
+        engine = doc.get("engine")
+        if isinstance(engine, dict):
+            if engine.get("python"):
+                raise ConfigError(
+                    "engine.python: the service runs servers with its own vLLM; remove the key"
+                )
+            # Not mappings: the job loader below says so (iterating them here would be a 500).
+            if isinstance(engine.get("env"), dict):
+                security.check_env(engine["env"])
+            for key in ("args", "baseline_args"):
+                if isinstance(engine.get(key), dict):
+                    security.check_engine_args(engine[key], f"engine.{key}")
+        model = doc.get("model")
+        path = model.get("path") if isinstance(model, dict) and model.get("make") else None
+        if isinstance(model, dict) and isinstance(path, str) and not path.startswith(("/", "~")):
+            model["path"] = str(self.models_dir / path)  # a relative target: ours
+        return notes
+
+    def _check_files(self, job: JobConfig, upload_dir: Path) -> None:
+        """The model, the trace and a search-space file only where the operator allows."""
+        self._check_model(job)
+        trace_path = Path(job.trace.path)
+        if not self._under_roots(trace_path, [upload_dir]):
+            raise SubmissionRefused(
+                f"trace.path {job.trace.path}: outside the service's trace roots ("
+                + (", ".join(str(r) for r in self.roots) or "none configured")
+                + "): upload the trace with the request (trace_upload, or a multipart `trace` "
+                "part) or ask the operator to add a --trace-root",
+                status=403,
+            )
+        space = job.search_space
+        if (
+            isinstance(space, str)
+            and space.endswith((".yaml", ".yml"))
+            and not self._under_roots(Path(space))
+        ):
+            raise SubmissionRefused(
+                f"search_space {space}: outside the service's trace roots; inline the "
+                "space in the job or use a preset name",
+                status=403,
+            )
 
     def _operator_urls(self, doc: dict[str, Any]) -> list[str]:
         """Storage and MLflow are the operator's: a job's own URLs are replaced (with a note)."""
