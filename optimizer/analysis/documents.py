@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from optimizer.analysis.diagnosis import diagnose
 from optimizer.analysis.front import trial_class
-from optimizer.trial_view import TrialView, metric_names
+from optimizer.trial_view import TrialView, baseline_of, metric_names
 
 __all__ = ["capacity_section", "report_md"]
 
@@ -61,7 +61,7 @@ def report_md(
     arrows = ["↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑" for d in study.directions]
     over = [t for t in trials if t.state not in (TrialState.RUNNING, TrialState.WAITING)]
     counts = Counter(TrialView(t).status for t in over)
-    base = next((t for t in trials if TrialView(t).is_baseline), None)
+    base = baseline_of(study)
     base_args = TrialView(base).engine_args if base else {}
     lines = [f"# Study `{study.study_name}`", ""]
     if plan:
