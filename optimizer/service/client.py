@@ -332,8 +332,12 @@ def register(sub: Any) -> None:
     Args:
         sub: The main parser's subparsers (``parser.add_subparsers()``).
     """
-    from optimizer.export import FORMATS, POLICIES
+    _add_serve(sub)
+    _add_client_commands(sub)
 
+
+def _add_serve(sub: Any) -> None:
+    """``serve``: the service's options (cluster, address, roots, limits, tokens)."""
     p = sub.add_parser("serve", help="run the tuner as an HTTP service on Ray Serve")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: all)")
@@ -386,6 +390,11 @@ def register(sub: Any) -> None:
         "--detach", action="store_true", help="return once deployed (with --ray-address)"
     )
     p.set_defaults(func=cmd_serve)
+
+
+def _add_client_commands(sub: Any) -> None:
+    """``token``, and the thin client's ``submit``, ``status``, ``cancel``, ``fetch-export``."""
+    from optimizer.export import FORMATS, POLICIES
 
     p = sub.add_parser("token", help="make an API token for a team and its token-file line")
     p.add_argument("--team", required=True)
