@@ -74,7 +74,7 @@ _VLLM_BENCH_DRIVER = textwrap.dedent(
 _MAKE_TOKENIZER = textwrap.dedent(
     """
     import sys
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
     make_model(sys.argv[1], "tiny")
     """
 )

@@ -55,8 +55,8 @@ from rich.console import Console
 from rich.table import Table
 
 from objectives.metrics import summarize
-from optimizer.engine import EngineProcess, cpu_engine_env
-from optimizer.modelgen import make_model, model_info
+from optimizer.engine.models import make_model, model_info
+from optimizer.engine.process import EngineProcess, cpu_engine_env
 from optimizer.types import EngineConfig, Trace
 from optimizer.workload.formats import export_vllm_custom, read_trace
 from optimizer.workload.prompts import TokenRange

@@ -37,8 +37,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from optimizer.engine import EngineProcess, cpu_engine_env
-from optimizer.modelgen import make_model
+from optimizer.engine.models import make_model
+from optimizer.engine.process import EngineProcess, cpu_engine_env
 from optimizer.types import EngineConfig
 
 VARIANTS: dict[str, dict[str, object]] = {

@@ -24,10 +24,11 @@ import optuna
 from rich.console import Console
 from rich.table import Table
 
+from optimizer import export as ex
 from optimizer.config import load_job
-from optimizer.export import select_trial, validate_choice
 from optimizer.study import create_storage, prepare
 from optimizer.trial import run_trial
+from optimizer.trial_view import TrialView, baseline_of
 from optimizer.types import TrialSpec
 
 console = Console(width=140)
@@ -45,7 +46,6 @@ def main() -> None:
     study = optuna.load_study(study_name=saved["study"], storage=create_storage(saved["storage"]))
     job, base = load_job(saved["job"], base=folder)
     plan = prepare(job, base)
-    names = list(study.metric_names or [])
     console.print(
         f"study {saved['study']}: {len(study.trials)} trials; {plan.vllm}; {saved.get('hardware')}"
     )
@@ -55,14 +55,14 @@ def main() -> None:
     for c in ("trial", "status", "startup_s", "replay_s", "startup share"):
         t.add_column(c, justify="right")
     shares = []
-    for tr in study.trials:
-        s, r = tr.user_attrs.get("startup_s"), tr.user_attrs.get("replay_s")
+    for tr in map(TrialView, study.trials):
+        s, r = tr.startup_s, tr.replay_s
         share = s / (s + r) if s and r else None
         if share is not None:
             shares.append(share)
         t.add_row(
             str(tr.number),
-            str(tr.user_attrs.get("status")),
+            tr.status,
             f"{s or 0:.1f}",
             f"{r or 0:.1f}",
             f"{share:.0%}" if share is not None else "-",
@@ -83,31 +83,28 @@ def main() -> None:
         )
         return dataclasses.replace(base_spec, **over)
 
-    baseline = next(tr for tr in study.trials if tr.user_attrs.get("baseline"))
-    base_args = json.loads(baseline.user_attrs["engine_args"])
+    baseline = baseline_of(study)
+    if baseline is None:
+        raise SystemExit(f"{folder}: the study has no baseline trial")
+    base_args = TrialView(baseline).engine_args
 
-    # 1. best vs baseline
+    # 1. best vs baseline: the export's re-validation, with trials run here (no Ray)
     if not ns.skip_validation:
-        chosen = select_trial(study, ns.policy)
-        args = json.loads(chosen.user_attrs["engine_args"])
+        choice = ex.choose(study, ns.policy)
+        number = choice.chosen.number
         console.print(
-            f"{ns.policy}: trial {chosen.number}; re-running it and the baseline {ns.runs}x each"
+            f"{ns.policy}: trial {number}; re-running it and the baseline {ns.runs}x each"
         )
-        val = validate_choice(
-            lambda s: run_trial(s, isolate_client=True),
-            spec,
-            args,
-            base_args,
-            metrics=names,
-            directions=list(study.directions),
-            values=plan.objectives.values,
-            feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
+        val = ex.revalidate(
+            plan,
+            study,
+            choice,
+            lambda s, _gpus: run_trial(s, isolate_client=True),
+            workdir=out / "validation",
             runs=ns.runs,
             progress=lambda line: console.print(f"  {line}"),
         )
-        t = Table(
-            title=f"best ({ns.policy}, trial {chosen.number}) vs baseline, {ns.runs} runs each"
-        )
+        t = Table(title=f"best ({ns.policy}, trial {number}) vs baseline, {ns.runs} runs each")
         for c in ("objective", "baseline median [range]", "best median [range]", "gain [range]"):
             t.add_column(c, justify="right")
         for row in val.table():

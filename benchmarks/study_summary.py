@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 
 from optimizer.study import create_storage
+from optimizer.trial_view import TrialView, feasible_front
 
 KEYS = (
     "completed",
@@ -44,33 +44,31 @@ def summarize_study(folder: Path) -> dict[str, Any]:
     plan = json.loads((folder / "plan.json").read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
-    front = {t.number for t in study.best_trials}
+    front = {t.number for t in feasible_front(study)}
     trials = []
     for t in study.get_trials(deepcopy=False):
-        ua = t.user_attrs
-        summary = ua.get("summary") or {}
+        v = TrialView(t)
+        summary = v.summary
         trials.append(
             {
                 "number": t.number,
                 "state": t.state.name,
-                "baseline": bool(ua.get("baseline")),
-                "status": ua.get("status"),
-                "failure_class": ua.get("failure_class"),
-                "message": ua.get("message"),
-                "engine_args": json.loads(ua["engine_args"]) if "engine_args" in ua else None,
-                "startup_s": ua.get("startup_s"),
-                "replay_s": ua.get("replay_s"),
-                "attempts": ua.get("attempts"),
+                "baseline": v.is_baseline,
+                "status": v.status,
+                "failure_class": v.failure_class or None,
+                "message": v.message or None,
+                "engine_args": v.engine_args if v.engine_args_key is not None else None,
+                "startup_s": v.startup_s,
+                "replay_s": v.replay_s,
+                "attempts": v.attempts,
                 "metrics": {k: _clean(summary.get(k)) for k in KEYS if k in summary},
-                "memory": ua.get("memory"),
-                "server_metrics": ua.get("server_metrics"),
-                "values": [_clean(v) for v in t.values] if t.values else None,
+                "memory": v.memory or None,
+                "server_metrics": v.server_metrics or None,
+                "values": [_clean(x) for x in t.values] if t.values else None,
                 "constraints": dict(t.constraints),
-                "feasible": t.state == TrialState.COMPLETE
-                and bool(t.constraints)
-                and all(c <= 0 for c in t.constraints.values()),
+                "feasible": v.feasible,
                 "on_front": t.number in front,
-                "capacity": ua.get("capacity"),
+                "capacity": v.capacity_doc,
                 "started": t.datetime_start.isoformat() if t.datetime_start else None,
                 "completed": t.datetime_complete.isoformat() if t.datetime_complete else None,
             }

@@ -26,7 +26,7 @@ from typing import Final, Literal
 
 from objectives.metrics import DEFAULT_PERCENTILES
 from objectives.slo import Slo, is_summary_key, parse_slo
-from optimizer.errors import ConfigError
+from optimizer.errors import ObjectiveError
 
 __all__ = [
     "CAPACITY_METRICS",
@@ -115,10 +115,6 @@ _VALID_METRICS: Final[str] = (
     + ", ".join(_COMMON_METRICS)
     + " (any pNN_ / mean_ / median_ / std_ of ttft, tpot, itl, e2el, ttft_from_scheduled)"
 )
-
-
-class ObjectiveError(ConfigError, ValueError):
-    """An objective string, preset or combination is invalid; the message names the fix."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from optimizer.errors import ConfigError
+from optimizer.errors import SloError
 
 __all__ = [
     "PER_REQUEST_METRICS",
@@ -100,10 +100,6 @@ _VALID_FORMS: Final[str] = (
     "mean_/median_/std_/pNN_ followed by ttft_ms, tpot_ms, itl_ms, e2el_ms, "
     "ttft_from_scheduled_ms or send_lag_ms, or one of " + ", ".join(sorted(_SCALAR_KEYS))
 )
-
-
-class SloError(ConfigError, ValueError):
-    """An SLO string or field is malformed; the message names it and the valid forms."""
 
 
 def is_summary_key(name: str) -> bool:

@@ -51,58 +51,37 @@ def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _has_weights(model: str) -> bool:
-    path = Path(model)
-    if not path.is_dir():
-        return True  # a hub name: the server fetches real weights
-    return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.pt"))
-
-
 def engine_config_for(
     model: str, engine_args: dict[str, Any], *, python: str | None, kv_cache_gib: float | None
 ) -> tuple[Any, list[str]]:
     """Build an EngineConfig with the defaults a local run needs; returns it and notes to show.
 
-    A model folder without weight files gets ``load-format: dummy``; the CPU build gets
-    ``VLLM_CPU_KVCACHE_SPACE`` (DESIGN.md §7.7). Arguments are validated against the installed
-    vLLM before anything starts.
+    The defaults are study preparation's (:mod:`optimizer.engine.defaults`: dummy weights for
+    a folder without weight files, the CPU build's KV cache variable). Arguments are validated
+    against the installed vLLM before anything starts.
     """
-    from optimizer.engine import cpu_engine_env
+    from optimizer.engine.defaults import apply_engine_defaults
+    from optimizer.engine.flags import accepted_flags, installed_vllm, validate_engine_args
     from optimizer.types import EngineConfig
-    from optimizer.vllm_flags import (
-        accepted_flags,
-        installed_vllm,
-        normalize_flag,
-        validate_engine_args,
-    )
 
-    notes: list[str] = []
-    args = dict(engine_args)
-    if "load-format" not in args and "load_format" not in args and not _has_weights(model):
-        args["load-format"] = "dummy"
-        notes.append(
-            "no weight files in the model folder: using load-format=dummy (random weights)"
-        )
     install = installed_vllm(python)
-    validate_engine_args(args, accepted_flags(install))
-    env: dict[str, str] = {}
-    explicit_kv = any(normalize_flag(k) == "kv-cache-memory-bytes" for k in args)
-    if install.is_cpu_build and explicit_kv:
-        notes.append(f"CPU build {install.version}: KV cache from kv-cache-memory-bytes")
-    elif install.is_cpu_build:
-        gib = int(kv_cache_gib) if kv_cache_gib is not None else 2
-        env = cpu_engine_env(gib)
-        notes.append(f"CPU build {install.version}: VLLM_CPU_KVCACHE_SPACE={gib} GiB")
-    else:
-        notes.append(f"GPU build {install.dist} {install.version}")
-    return EngineConfig(model=model, args=args, env=env), notes
+    defaults = apply_engine_defaults(
+        model,
+        engine_args,
+        cpu_build=install.is_cpu_build,
+        kv_cache_gib=None if kv_cache_gib is None else int(kv_cache_gib),
+    )
+    validate_engine_args(defaults.args, accepted_flags(install))
+    build = "CPU build" if install.is_cpu_build else "GPU build"
+    notes = [*defaults.notes, f"{build} {install.dist} {install.version}"]
+    return EngineConfig(model=model, args=defaults.args, env=defaults.env), notes
 
 
 # --- commands ---------------------------------------------------------------------------------
 
 
 def cmd_make_model(ns: argparse.Namespace) -> int:
-    from optimizer.modelgen import PRESETS, make_model
+    from optimizer.engine.models import PRESETS, make_model
 
     out = make_model(ns.dir, ns.preset, max_model_len=ns.max_model_len)
     spec = PRESETS[ns.preset]
@@ -130,7 +109,7 @@ def _memory_table(account: Any, startup_s: float | None) -> Table:
 def cmd_engine_check(ns: argparse.Namespace) -> int:
     import httpx
 
-    from optimizer.engine import EngineProcess
+    from optimizer.engine.process import EngineProcess
 
     config, notes = engine_config_for(
         ns.model, parse_engine_args(ns.engine_arg), python=ns.python, kv_cache_gib=ns.kv_cache_gib
@@ -154,7 +133,7 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
         return 1
     try:
         console.print(_memory_table(engine.memory_account(), engine.startup_s))
-        from optimizer.modelgen import model_info
+        from optimizer.engine.models import model_info
 
         low = 256
         if Path(ns.model).is_dir():
@@ -353,7 +332,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from objectives import parse_slo, summarize
-    from optimizer.modelgen import model_info
+    from optimizer.engine.defaults import prompt_token_range
     from optimizer.trial import boost_priority, run_trial, write_records
     from optimizer.types import TrialSpec, TrialStatus
     from optimizer.workload.prompts import TokenRange
@@ -370,26 +349,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if len(trace) == 0:
         raise ConfigError(f"{ns.trace}: no request left after shaping")
     served = ns.served_model or ns.model
+    explicit = None
     if ns.token_range:
         low, _, high = ns.token_range.partition(":")
-        token_range = (int(low), int(high))
-    elif ns.model and Path(ns.model).is_dir():
-        info = model_info(ns.model)
-        token_range = (info.prompt_low, info.prompt_high)
-    elif ns.url:
-        from optimizer.workload.served import served_token_range
-
-        if not served:
-            raise ConfigError("--url needs --served-model (the model name the server serves)")
-        found, how = served_token_range(ns.url, served)
-        token_range = (found.low, found.high)
-        console.print(f"[dim]prompts use {how}[/]")
-    else:
-        token_range = (1000, 30000)
-        console.print(
-            f"[yellow]{ns.model} is not a local folder: prompts use token ids "
-            f"{token_range[0]}:{token_range[1]} (set --token-range to the model's vocabulary)[/]"
-        )
+        explicit = (int(low), int(high))
+    token_range = prompt_token_range(ns.model, explicit)
 
     with Progress(
         TextColumn("{task.description}"),
@@ -424,8 +388,6 @@ def cmd_replay(ns: argparse.Namespace) -> int:
                 progress=on_progress,
             )
             summary = dict(summarize(result.records, slos=slos))
-            summary["p99_send_lag_ms"] = result.p99_send_lag_ms
-            summary["retried"] = result.retried
             write_records(result.records, out / "records.jsonl.gz")
             kept, message = result.schedule_kept, result.message
         else:
@@ -673,9 +635,6 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
     return 0
 
 
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
 def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
     import optuna
 
@@ -697,15 +656,14 @@ def _capacity_line(study: Any, saved: dict[str, Any], number: int) -> str:
     return answer.export_line(number) if answer is not None else ""
 
 
-def _check_service_study(
-    folder: Path, saved: dict[str, Any], trials: dict[str, Any], validate: bool
-) -> None:
+def _check_service_study(folder: Path, saved: dict[str, Any], choice: Any, validate: bool) -> None:
     """A study folder the service wrote is exported under the service's policy: its stored job
     and the trials to render or re-run may not load code (a study stored before the service's
     allow-lists would otherwise start a server with its plugin flag here).
 
     Args:
-        trials: label -> the trial to render (``chosen``) or re-run (``baseline``, or None).
+        choice: The trial to render (``chosen``) and the one to re-run with it (``baseline``).
+        validate: The baseline is re-run too.
 
     Raises:
         ConfigError: A flag, variable or ``engine.python`` the service refuses (named).
@@ -714,10 +672,11 @@ def _check_service_study(
 
     if not security.is_service_study(folder):
         return  # a local `tune` folder is its user's own
+    views = {"chosen": choice.chosen, "baseline": choice.baseline if validate else None}
     labelled = [
-        (f"{label} trial {t.number}'s engine arguments", json.loads(t.user_attrs["engine_args"]))
-        for label, t in trials.items()
-        if t is not None and (validate or label == "chosen")
+        (f"{label} trial {v.number}'s engine arguments", v.engine_args)
+        for label, v in views.items()
+        if v is not None
     ]
     try:
         security.check_stored_study(saved.get("job") or {}, labelled)
@@ -730,9 +689,6 @@ def _check_service_study(
 
 def cmd_export(ns: argparse.Namespace) -> int:
     from optimizer import export as ex
-    from optimizer.config import load_job
-    from optimizer.study import prepare
-    from optimizer.types import TrialSpec
 
     if ns.chart_schema and ns.format != "helm":
         raise ConfigError("--chart-schema checks Helm values: use it with --format helm")
@@ -741,74 +697,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
     weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
-    policy = "trial" if ns.trial is not None else (ns.policy or ex.default_policy(study))
-    chosen = ex.select_trial(study, policy, trial_number=ns.trial, weights=weights)
-    baseline = next(
-        (t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("baseline")), None
-    )
-    _check_service_study(
-        folder, saved, {"chosen": chosen, "baseline": baseline}, not ns.no_validate
-    )
-    args = json.loads(chosen.user_attrs["engine_args"])
+    choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
+    _check_service_study(folder, saved, choice, not ns.no_validate)
     console.print(
-        f"policy {policy}: trial {chosen.number} "
-        f"changes {ex.changed_args(chosen, baseline) or 'nothing'} vs the baseline"
+        f"policy {choice.policy}: trial {choice.chosen.number} "
+        f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
-    names = list(study.metric_names or [])
     if ns.no_validate:
-        gain = "values measured once during the study, not re-validated: " + ", ".join(
-            f"{n} {v:,.1f}" for n, v in zip(names, chosen.values or [], strict=False)
-        )
+        gain = ex.unvalidated_gain(study, choice)
     else:
-        if baseline is None:
-            raise ConfigError("the study has no baseline trial to validate against")
-        job, base = load_job(saved["job"], base=folder)
-        plan = prepare(job, base)
-        runner = _make_runner(ns.runner, plan, None)
-        out = plan.out / "validation" / f"trial-{chosen.number}-{int(time.time())}"
-
-        def make_spec(label: str, engine_args: dict[str, Any], k: int) -> TrialSpec:
-            return plan.trial_spec(
-                chosen.number,
-                engine_args,
-                workdir=out / f"{label}-{k}",
-                seed=900_000 + 2 * k + (label == "chosen"),
-                early_stop=False,
-            )
-
-        def run(spec: TrialSpec) -> Any:
-            return runner.submit(spec, plan.gpus_per_server).future.result()
-
-        try:
-            val = ex.validate_choice(
-                run,
-                make_spec,
-                args,
-                json.loads(baseline.user_attrs["engine_args"]),
-                metrics=names,
-                directions=list(study.directions),
-                values=plan.objectives.values,
-                feasible=lambda s: all(m <= 0 for m in plan.objectives.constraints(s)),
-                runs=ns.runs,
-                progress=lambda line: console.print(f"[dim]{line}[/]"),
-            )
-        finally:
-            runner.close()
-        table = Table(title=f"re-validation: {ns.runs} runs each, medians and ranges")
-        for col in ("objective", "baseline", "chosen", "gain (range)"):
-            table.add_column(col, justify="right")
-        for row in val.table():
-            b_lo, b_hi = row["baseline_range"]
-            c_lo, c_hi = row["chosen_range"]
-            g_lo, g_hi = row["gain_range_pct"]
-            table.add_row(
-                row["metric"],
-                f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
-                f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
-                f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
-            )
-        console.print(table)
-        problems = val.problems(ex.primary_metrics(policy, names))
+        val = _revalidate(ns, folder, saved, study, choice)
+        console.print(_validation_table(val, ns.runs))
+        gain, problems = ex.verdict(val, choice.policy, force=ns.force)
         if problems and not ns.force:
             err_console.print(
                 "[bold red]refusing to export:[/] "
@@ -816,25 +716,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 + " (use --force to export anyway)"
             )
             return 4
-        gain = val.gain_text() + (" [FORCED: " + "; ".join(problems) + "]" if problems else "")
-    env = {
-        k: v
-        for k, v in saved["job"]["engine"].get("env", {}).items()
-        if not any(w in k.upper() for w in _SECRET_WORDS)
-    }
-    ctx = ex.ExportContext(
-        study=saved["study"],
-        trial=chosen.number,
-        model=saved["job"]["model"]["path"],
-        args=args,
-        vllm=saved.get("vllm", "?"),
-        hardware=saved.get("hardware", "?"),
-        trace=ex.trace_label(saved),
-        gain=gain,
-        gpus=int(args.get("tensor-parallel-size", 1) or 1)
-        * int(args.get("pipeline-parallel-size", 1) or 1),
-        env=env,
-        capacity=_capacity_line(study, saved, chosen.number),
+    ctx = ex.context(
+        saved, choice, gain, capacity=_capacity_line(study, saved, choice.chosen.number)
     )
     unknown: list[str] = []
     if ns.format == "ray-serve":
@@ -856,9 +739,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
     exports = list(study.user_attrs.get("exports", []))
     exports.append(
         {
-            "trial": chosen.number,
+            "trial": choice.chosen.number,
             "format": ns.format,
-            "policy": policy,
+            "policy": choice.policy,
             "path": str(path),
             "gain": gain,
         }
@@ -869,10 +752,57 @@ def cmd_export(ns: argparse.Namespace) -> int:
         from optimizer.tracking import log_export
 
         if log_export(
-            folder, trial=chosen.number, fmt=ns.format, path=path, policy=policy, gain=gain
+            folder,
+            trial=choice.chosen.number,
+            fmt=ns.format,
+            path=path,
+            policy=choice.policy,
+            gain=gain,
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
+
+
+def _revalidate(
+    ns: argparse.Namespace, folder: Path, saved: dict[str, Any], study: Any, choice: Any
+) -> Any:
+    """Re-run the choice and the baseline here, through the runner ``--runner`` names."""
+    from optimizer import export as ex
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+
+    job, base = load_job(saved["job"], base=folder)
+    plan = prepare(job, base)
+    runner = _make_runner(ns.runner, plan, None)
+    try:
+        return ex.revalidate(
+            plan,
+            study,
+            choice,
+            lambda spec, gpus: runner.submit(spec, gpus).future.result(),
+            workdir=plan.out / "validation" / f"trial-{choice.chosen.number}-{int(time.time())}",
+            runs=ns.runs,
+            progress=lambda line: console.print(f"[dim]{line}[/]"),
+        )
+    finally:
+        runner.close()
+
+
+def _validation_table(val: Any, runs: int) -> Table:
+    table = Table(title=f"re-validation: {runs} runs each, medians and ranges")
+    for col in ("objective", "baseline", "chosen", "gain (range)"):
+        table.add_column(col, justify="right")
+    for row in val.table():
+        b_lo, b_hi = row["baseline_range"]
+        c_lo, c_hi = row["chosen_range"]
+        g_lo, g_hi = row["gain_range_pct"]
+        table.add_row(
+            row["metric"],
+            f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
+            f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
+            f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
+        )
+    return table
 
 
 def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
@@ -880,7 +810,7 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     import importlib.metadata as md
     import re
 
-    from optimizer.vllm_flags import accepted_flags, installed_vllm
+    from optimizer.engine.flags import accepted_flags, installed_vllm
 
     try:
         reqs = md.requires("ray") or []
@@ -928,18 +858,13 @@ def _add_capacity_pricing(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vllm-autotune",
-        description="Find the vLLM engine configuration that serves your real traffic best.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_model_commands(sub: Any) -> None:
+    """make-model, engine check: model folders and one server."""
     p = sub.add_parser(
         "make-model", help="write a weight-less model folder for --load-format dummy"
     )
     p.add_argument("dir")
-    from optimizer.modelgen import PRESETS
+    from optimizer.engine.models import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument(
@@ -980,6 +905,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="server log file (default: in --workdir)")
     p.set_defaults(func=cmd_engine_check)
 
+
+def _add_trace_commands(sub: Any) -> None:
+    """trace inspect / convert, and replay: traces and one measurement."""
     tr = sub.add_parser("trace", help="inspect and convert traces").add_subparsers(
         dest="trace_cmd", required=True
     )
@@ -1038,6 +966,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shaping(p)
     p.set_defaults(func=cmd_replay)
+
+
+def _add_study_commands(sub: Any) -> None:
+    """tune, export, show, mlflow-sync: a study and what comes of it."""
     p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")
     p.add_argument("job", help="job YAML file")
     p.add_argument("--trials", type=int, default=None, help="override the job's trial count")
@@ -1111,7 +1043,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
     p.set_defaults(func=cmd_mlflow_sync)
-    from optimizer.service_cli import register as register_service
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The vllm-autotune command line: one sub-command per job."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-autotune",
+        description="Find the vLLM engine configuration that serves your real traffic best.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_model_commands(sub)
+    _add_trace_commands(sub)
+    _add_study_commands(sub)
+    from optimizer.service.client import register as register_service
 
     register_service(sub)
     return parser

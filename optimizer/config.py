@@ -29,6 +29,7 @@ __all__ = [
     "load_job",
     "parse_budget",
     "parse_until",
+    "read_job_document",
 ]
 
 
@@ -344,6 +345,23 @@ def _explain(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def read_job_document(path: Path) -> dict[str, Any]:
+    """A job file's YAML mapping, not yet validated.
+
+    Raises:
+        ConfigError: Unreadable, not YAML, or not a mapping.
+    """
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read job file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a job file is a YAML mapping (name, model, trace, ...)")
+    return data
+
+
 def load_job(
     source: str | Path | dict[str, Any], *, base: Path | None = None
 ) -> tuple[JobConfig, Path]:
@@ -366,14 +384,7 @@ def load_job(
         folder = (base or Path.cwd()).resolve()
     else:
         path = Path(source)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read job file ({exc.strerror})") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a job file is a YAML mapping (name, model, trace, ...)")
+        data = read_job_document(path)
         where = str(path)
         folder = (base or path.parent).resolve()
     try:

@@ -6,10 +6,19 @@ Per-request failures are data (``RequestRecord.error``), trial failures are stat
 
     AutotuneError
     ├── ConfigError            a job file, CLI option or engine argument is wrong (user fixes it)
-    │   └── EngineArgError     an engine flag the installed vLLM does not accept
+    │   ├── EngineArgError     an engine flag the installed vLLM does not accept
+    │   ├── ObjectiveError     an objective string, preset or combination (also a ValueError)
+    │   ├── SloError           an SLO string or field (also a ValueError)
+    │   └── SearchSpaceError   a search space (also a ValueError)
     ├── TraceError             a trace file is malformed (file, line, field)
     ├── EngineError            a vLLM server failed; carries the FailureClass and log lines
-    └── ReplayError            the replay could not run (e.g. the client could not keep up)
+    ├── ReplayError            the replay could not run
+    │   └── ClientCouldNotKeepUp   a capacity step's schedule was missed twice in a row
+    ├── NotFound               the service has no such job or trial (HTTP 404)
+    └── SubmissionRefused      the service refuses a submission by policy (its HTTP status)
+
+Modules raise these; a few private exceptions that never leave their module (control flow in a
+parser) are not listed.
 """
 
 from __future__ import annotations
@@ -18,10 +27,16 @@ from optimizer.types import FailureClass
 
 __all__ = [
     "AutotuneError",
+    "ClientCouldNotKeepUp",
     "ConfigError",
     "EngineArgError",
     "EngineError",
+    "NotFound",
+    "ObjectiveError",
     "ReplayError",
+    "SearchSpaceError",
+    "SloError",
+    "SubmissionRefused",
     "TraceError",
 ]
 
@@ -99,3 +114,36 @@ class EngineError(AutotuneError):
 
 class ReplayError(AutotuneError):
     """The replay itself could not run as asked."""
+
+
+class NotFound(AutotuneError):
+    """The service has no such job (or trial), or not for this caller."""
+
+
+class SubmissionRefused(AutotuneError):
+    """A submission the service will not run for a reason of policy, not validity.
+
+    Attributes:
+        status: The HTTP status that says why (403: a file outside the allowed roots, 413: an
+            upload over the size limit, 409: the request conflicts with the job's state).
+    """
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ObjectiveError(ConfigError, ValueError):
+    """An objective string, preset or combination is invalid; the message names the fix."""
+
+
+class SloError(ConfigError, ValueError):
+    """An SLO string or field is malformed; the message names it and the valid forms."""
+
+
+class SearchSpaceError(ConfigError, ValueError):
+    """A search space is malformed; the message names the key at fault and the fix."""
+
+
+class ClientCouldNotKeepUp(ReplayError):
+    """The replay client could not keep a step's schedule twice in a row."""

@@ -1,4 +1,6 @@
-"""Reports on a study: the feasible Pareto front beside the baseline, with the gain over it.
+"""Terminal reports on a study: the feasible Pareto front beside the baseline, with the gain
+over it (:func:`front_rows`, also the rows of :mod:`optimizer.analysis.front`'s documents), and
+the study's status.
 
 Reads only the Optuna storage (the study's source of truth), so ``vllm-autotune show`` works
 for a running study, a finished one, and one whose driver died.
@@ -6,7 +8,6 @@ for a running study, a finished one, and one whose driver died.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.table import Table
+
+from optimizer.trial_view import TrialView, baseline_of, feasible_front, metric_names
 
 __all__ = [
     "FrontRow",
@@ -57,11 +60,6 @@ def gain_pct(value: float, base: float, direction: optuna.study.StudyDirection) 
     return -change if direction == optuna.study.StudyDirection.MINIMIZE else change
 
 
-def _args(trial: FrozenTrial) -> dict[str, Any]:
-    raw = trial.user_attrs.get("engine_args")
-    return dict(json.loads(raw)) if isinstance(raw, str) else {}
-
-
 # Flags whose field in the engine's config line has another name.
 _EFFECTIVE_ALIASES = {"max_model_len": "max_seq_len"}
 
@@ -90,10 +88,10 @@ def changed_args(trial: FrozenTrial, baseline: FrozenTrial | None) -> dict[str, 
     ``enable-prefix-caching=True`` on a build that enables it anyway). Flags whose default vLLM
     does not report (``max-num-seqs``, ...) count as changed.
     """
-    base = _args(baseline) if baseline else {}
-    effective = dict(baseline.user_attrs.get("effective_config") or {}) if baseline else {}
+    base = TrialView(baseline).engine_args if baseline else {}
+    effective = TrialView(baseline).effective_config if baseline else {}
     out = {}
-    for k, v in _args(trial).items():
+    for k, v in TrialView(trial).engine_args.items():
         if k in base:
             if base[k] != v:
                 out[k] = v
@@ -105,42 +103,28 @@ def changed_args(trial: FrozenTrial, baseline: FrozenTrial | None) -> dict[str, 
     return out
 
 
-def _feasible(trial: FrozenTrial) -> bool:
-    return all(v <= 0 for v in trial.constraints.values())
-
-
-def _measured(trial: FrozenTrial) -> bool:
-    """True when the trial's values were measured over its whole replay.
-
-    Failed, early-stopped (infeasible) and rejected trials are told placeholder worst values so
-    the sampler avoids them; those are no measurement and are never shown or compared against.
-    """
-    return bool(trial.user_attrs.get("status", "complete") == "complete")
-
-
-def _baseline(study: optuna.Study) -> FrozenTrial | None:
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return next((t for t in done if t.user_attrs.get("baseline")), None)
-
-
 def front_rows(study: optuna.Study) -> list[FrontRow]:
     """The baseline (first) and the feasible Pareto front, by trial number."""
-    base = _baseline(study)
-    base_args = _args(base) if base else {}
+    # Failed, early-stopped (infeasible) and rejected trials are told placeholder worst values
+    # so the sampler avoids them; those are no measurement and are never shown or compared.
+    base = baseline_of(study, measured=True)
+    base_args = TrialView(base).engine_args if base else {}
     rows = []
-    front = [t for t in study.best_trials if _feasible(t)]
+    front = feasible_front(study)
     for t in ([base] if base else []) + sorted(front, key=lambda t: t.number):
         if t is None or (t is not base and base is not None and t.number == base.number):
             continue
-        values = tuple(float(v) if _measured(t) else math.nan for v in (t.values or ()))
+        values = tuple(float(v) if TrialView(t).measured else math.nan for v in (t.values or ()))
         base_values = (
-            base.values if base and base.values and _measured(base) else [math.nan] * len(values)
+            base.values
+            if base and base.values and TrialView(base).measured
+            else [math.nan] * len(values)
         )
         gains: tuple[float | None, ...] = tuple(
             gain_pct(v, b, d)
             for v, b, d in zip(values, base_values, study.directions, strict=False)
         )
-        args = _args(t)
+        args = TrialView(t).engine_args
         changed = changed_args(t, base)
         changed.update({k: "(default)" for k in base_args if k not in args})
         rows.append(
@@ -150,29 +134,22 @@ def front_rows(study: optuna.Study) -> list[FrontRow]:
                 values=values,
                 gains_pct=gains,
                 changed=changed if t is not base else {},
-                feasible=_feasible(t),
+                feasible=TrialView(t).feasible,
             )
         )
     return rows
-
-
-def _metric_names(study: optuna.Study) -> list[str]:
-    names = study.metric_names
-    if names:
-        return list(names)
-    return [f"objective {i}" for i in range(len(study.directions))]
 
 
 def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs baseline") -> Table:
     """The front as a rich table: values, gain over the baseline, what changed."""
     table = Table(title=title)
     table.add_column("trial", justify="right")
-    names = _metric_names(study)
+    names = metric_names(study)
     for name, d in zip(names, study.directions, strict=True):
         arrow = "↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑"
         table.add_column(f"{name} {arrow}", justify="right")
     table.add_column("changed vs baseline", overflow="fold")
-    base = _baseline(study)
+    base = baseline_of(study, measured=True)
     for row in front_rows(study):
         cells = []
         for v, g in zip(row.values, row.gains_pct, strict=True):
@@ -184,7 +161,7 @@ def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs ba
         if row.baseline and not row.feasible:
             label += " ✗SLO"
             if all(math.isnan(v) for v in row.values):
-                status = base.user_attrs.get("status", "-") if base is not None else "-"
+                status = TrialView(base).status if base is not None else "-"
                 label += f" ({status})"
         changed = ", ".join(f"{k}={v}" for k, v in sorted(row.changed.items())) or "-"
         table.add_row(label, *cells, changed if not row.baseline else "vLLM defaults")
@@ -207,14 +184,10 @@ class StudyStatus:
 def study_status(study: optuna.Study) -> StudyStatus:
     """Count trials by state and status; the best value of each objective among feasible trials."""
     trials = study.get_trials(deepcopy=False)
-    statuses = Counter(
-        str(t.user_attrs.get("status", t.state.name.lower()))
-        for t in trials
-        if t.state != TrialState.RUNNING
-    )
-    feasible = [t for t in trials if t.state == TrialState.COMPLETE and _feasible(t)]
+    statuses = Counter(TrialView(t).status for t in trials if t.state != TrialState.RUNNING)
+    feasible = [t for t in trials if TrialView(t).feasible]
     best: dict[str, float] = {}
-    for i, (name, d) in enumerate(zip(_metric_names(study), study.directions, strict=True)):
+    for i, (name, d) in enumerate(zip(metric_names(study), study.directions, strict=True)):
         vals = [t.values[i] for t in feasible if t.values]
         if vals:
             best[name] = min(vals) if d == optuna.study.StudyDirection.MINIMIZE else max(vals)
@@ -224,8 +197,10 @@ def study_status(study: optuna.Study) -> StudyStatus:
         failed=statuses.get("failed", 0)
         + statuses.get("invalid_replay", 0)
         + statuses.get("driver_died", 0),
-        infeasible=sum(1 for t in trials if t.state == TrialState.COMPLETE and not _feasible(t)),
-        front_size=sum(1 for t in study.best_trials if _feasible(t)),
+        infeasible=sum(
+            1 for t in trials if t.state == TrialState.COMPLETE and not TrialView(t).feasible
+        ),
+        front_size=len(feasible_front(study)),
         best=best,
         by_status=dict(statuses),
     )
@@ -236,26 +211,23 @@ def status_table(study: optuna.Study) -> Table:
     table = Table(title=f"study {study.study_name}")
     table.add_column("trial", justify="right")
     table.add_column("status")
-    names = _metric_names(study)
+    names = metric_names(study)
     for name in names:
         table.add_column(name, justify="right")
     table.add_column("SLOs")
     table.add_column("engine args / failure", overflow="fold")
     for t in study.get_trials(deepcopy=False):
-        status = str(t.user_attrs.get("status", t.state.name.lower()))
-        if t.user_attrs.get("baseline"):
-            status += " (baseline)"
+        view = TrialView(t)
+        status = view.status + (" (baseline)" if view.is_baseline else "")
         vals = (
             [f"{v:,.1f}" for v in t.values]
             if t.values and status.startswith("complete")
             else ["-"] * len(names)
         )
-        slo = "-" if not t.constraints else ("met" if _feasible(t) else "missed")
-        detail = str(t.user_attrs.get("failure_class") or "")
-        if not detail:
-            args = _args(t)
-            detail = ", ".join(
-                f"{k}={v}" for k, v in sorted(args.items()) if k not in ("load-format",)
-            )
+        verdicts = view.slo_verdicts()
+        slo = "-" if not verdicts else ("met" if all(verdicts.values()) else "missed")
+        detail = view.failure_class or ", ".join(
+            f"{k}={v}" for k, v in sorted(view.engine_args.items()) if k not in ("load-format",)
+        )
         table.add_row(str(t.number), status, *vals, slo, detail)
     return table

@@ -1,4 +1,4 @@
-"""Trial runners: where a trial's engine and replay run. The only module that imports Ray.
+"""Trial runners, and every use of Ray: the only module that imports Ray.
 
 ``RayRunner`` runs each trial in its own Ray actor that asks for ``num_gpus`` = tensor x
 pipeline parallel size; the vLLM server is a child process of the actor and inherits the
@@ -6,6 +6,11 @@ pipeline parallel size; the vLLM server is a child process of the actor and inhe
 (cancel, timeout) kills its server too: the engine guard watches the actor process. A local Ray
 is started by default; an address joins a cluster. ``LocalRunner`` runs trials in a thread of the
 driver (one at a time), for debugging and for machines where Ray is unwanted.
+
+The service's Ray needs live here too, behind small functions: :class:`ClusterLossGuard` (a
+trial lost with its cluster is not a result), :class:`DetachedActors` (the study drivers,
+found by name after a restart), and :func:`start_ray`, :func:`serve_deployment`,
+:func:`serve_run`, :func:`serve_shutdown` (the Serve application).
 """
 
 from __future__ import annotations
@@ -13,12 +18,24 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from optimizer.trial import run_trial
 from optimizer.types import TrialResult, TrialSpec
 
-__all__ = ["LocalRunner", "RayRunner", "TrialRunner"]
+__all__ = [
+    "ClusterLossGuard",
+    "DetachedActors",
+    "LocalRunner",
+    "RayRunner",
+    "TrialRunner",
+    "serve_deployment",
+    "serve_run",
+    "serve_shutdown",
+    "start_ray",
+]
 
 
 class _Handle:
@@ -109,17 +126,7 @@ class RayRunner:
         import ray
 
         self._ray = ray
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {
-                "include_dashboard": False,
-                "log_to_driver": False,
-                "configure_logging": False,
-            }
-            if address:
-                ray.init(address=address, **kwargs)
-            else:
-                # A small object store: trial results are records, not tensors.
-                ray.init(object_store_memory=256 * 1024**2, **kwargs)
+        start_ray(address, log_to_driver=False)
         self.capacity = capacity
         self.cpus_per_trial = cpus_per_trial
         # max_concurrency 2: `environment` answers while `run` is busy.
@@ -127,8 +134,7 @@ class RayRunner:
 
     def cluster_gpus(self) -> int:
         """GPUs the Ray cluster has."""
-        resources: dict[str, float] = self._ray.cluster_resources()  # type: ignore[no-untyped-call]
-        return int(resources.get("GPU", 0))
+        return cluster_gpus()
 
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
         actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote()
@@ -153,3 +159,220 @@ class RayRunner:
 
     def close(self) -> None:
         pass
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+_LOOPBACK = ("127.0.0.1", "::1")
+#: Ray's switch for multi-node clusters (on by default on Linux). Off, Ray's node address is
+#: the loopback one and its servers (GCS, raylet, object manager, workers, agents) listen on
+#: it only; on, Ray replaces a loopback ``_node_ip_address`` by the machine's address and its
+#: gRPC servers listen on every interface.
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _single_node_ray() -> None:
+    """Make the local Ray about to start a loopback-only, single-node one (Ray's own mode on
+    macOS and Windows): for its processes through the environment, and for this one, which
+    has read the setting already."""
+    from ray._private import ray_constants
+
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def start_ray(
+    address: str | None = None, *, host: str | None = None, log_to_driver: bool = True
+) -> None:
+    """Join the cluster at ``address``, or start a local one (nothing when Ray is up already).
+
+    Args:
+        address: A Ray cluster to join; None starts a local one.
+        host: A local cluster's address (deploy/SERVICE.md, "Limits"); a loopback one keeps
+            every Ray server on loopback.
+        log_to_driver: Stream workers' logs to this process.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
+    if not log_to_driver:
+        kwargs["log_to_driver"] = False
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    if host is not None and host not in ("0.0.0.0", "::"):
+        node_ip = "127.0.0.1" if host == "localhost" else host
+        kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
+        if node_ip in _LOOPBACK:
+            _single_node_ray()
+    # A small object store: trial results are records, not tensors.
+    ray.init(object_store_memory=256 * 1024**2, **kwargs)
+
+
+def cluster_gpus() -> int:
+    """GPUs the Ray cluster has."""
+    import ray
+
+    resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    return int(resources.get("GPU", 0))
+
+
+def own_node_alive(timeout_s: float) -> bool:
+    """Whether the cluster answers, within ``timeout_s``, that this process's node is alive."""
+    import ray
+
+    answer: list[bool] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            me = ray.get_runtime_context().get_node_id()
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
+            answer.append(any(n["NodeID"] == me and n["Alive"] for n in nodes))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(answer and answer[0])
+
+
+class ClusterLossGuard:
+    """A runner wrapper: a trial lost because the cluster went away is not a result.
+
+    When a trial's actor dies and the driver did not cancel it, the driver asks the cluster
+    whether its own node is still alive. If it is not (or the cluster does not answer), the
+    driver exits at once without telling the trial, exactly as a killed driver would: the
+    trial stays RUNNING and the next driver fails and re-queues it. A trial actor that died on
+    a healthy cluster (e.g. killed for memory) is a trial failure, passed on as such.
+    """
+
+    def __init__(self, inner: Any, cancelling: Callable[[], bool]) -> None:
+        self.inner = inner
+        self.capacity = inner.capacity
+        self._cancelling = cancelling
+
+    def submit(self, spec: Any, gpus: int) -> Any:
+        handle = self.inner.submit(spec, gpus)
+        relayed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def relay(fut: concurrent.futures.Future[Any]) -> None:
+            exc = fut.exception()
+            if exc is None:
+                relayed.set_result(fut.result())
+                return
+            # Decide off Ray's callback thread: the health check may block.
+            threading.Thread(target=self._judge, args=(exc, relayed), daemon=True).start()
+
+        handle.future.add_done_callback(relay)
+        handle.future = relayed
+        return handle
+
+    def _judge(self, exc: BaseException, out: Any) -> None:
+        import ray
+
+        if (
+            isinstance(exc, ray.exceptions.RayActorError)
+            and not self._cancelling()
+            and not own_node_alive(timeout_s=15.0)
+        ):
+            os._exit(1)
+        out.set_exception(exc)
+
+    def cancel(self, handle: Any) -> None:
+        self.inner.cancel(handle)
+
+    def release(self, handle: Any) -> None:
+        release = getattr(self.inner, "release", None)
+        if release is not None:
+            release(handle)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DetachedActors:
+    """Named, detached actors of one class in one namespace (the service's study drivers).
+
+    Detached, so a restart of the process that started them finds them by name and keeps
+    them. Each asks for no CPU: it waits on its trials and must not hold the CPU a trial needs.
+
+    Args:
+        cls: The actor's class.
+        namespace: Ray namespace of the names.
+        max_concurrency: Calls served at once (status and cancel answer while a thread runs).
+    """
+
+    def __init__(self, cls: type, namespace: str, *, max_concurrency: int = 4) -> None:
+        import ray
+
+        self._ray = ray
+        self._namespace = namespace
+        self._cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency, max_restarts=0)(cls)  # type: ignore[call-overload]
+
+    def _actor(self, name: str) -> Any:
+        try:
+            return self._ray.get_actor(name, namespace=self._namespace)
+        except ValueError:
+            return None
+
+    def start(self, name: str, *args: Any) -> None:
+        """Start the actor ``name`` (nothing when it exists)."""
+        self._cls.options(
+            name=name, namespace=self._namespace, lifetime="detached", get_if_exists=True
+        ).remote(*args)
+
+    def call(self, name: str, method: str, timeout_s: float = 60.0) -> Any:
+        """The result of ``method()`` on actor ``name``.
+
+        Raises:
+            LookupError: No such actor, or it died.
+            TimeoutError: It did not answer in time.
+        """
+        actor = self._actor(name)
+        if actor is None:
+            raise LookupError(name)
+        try:
+            return self._ray.get(getattr(actor, method).remote(), timeout=timeout_s)
+        except self._ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"{name}.{method} did not answer in {timeout_s:g} s") from exc
+        except self._ray.exceptions.RayActorError as exc:
+            raise LookupError(name) from exc
+
+    def kill(self, name: str) -> None:
+        """End the actor ``name`` (nothing when there is none)."""
+        actor = self._actor(name)
+        if actor is not None:
+            self._ray.kill(actor, no_restart=True)
+
+
+def serve_deployment(ingress: type, name: str, *args: Any) -> Any:
+    """A one-replica Serve application of a FastAPI ingress class, bound to ``args``.
+
+    The replica asks for no CPU, so it never holds one a trial needs.
+    """
+    from ray import serve
+
+    deployment = serve.deployment(
+        name=name,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=64,
+        health_check_period_s=10,
+    )(serve.ingress()(ingress))
+    return deployment.bind(*args)
+
+
+def serve_run(app: Any, *, name: str, host: str, port: int) -> None:
+    """Run a Serve application on HTTP ``host:port`` (Ray must be up)."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=name, route_prefix="/", blocking=False)
+
+
+def serve_shutdown() -> None:
+    """Stop Serve and its applications."""
+    from ray import serve
+
+    serve.shutdown()  # type: ignore[no-untyped-call]

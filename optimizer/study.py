@@ -13,8 +13,15 @@ for configurations, rejects invalid combinations before any engine starts, hands
   told as complete with worst-case values and violated constraints: the sampler learns where
   the feasible region ends;
 - a replay whose client could not keep the schedule is re-run, never scored;
+- a cancelled trial is failed with status ``cancelled``: a cancel is not a result;
+- without SLOs every told trial carries one constraint, ``engine_served`` (met when the engine
+  served), so measured and failed trials have the same constraints (Optuna's samplers compare
+  them) and the feasible front holds the measured ones;
 - a driver that dies leaves RUNNING trials; the next driver fails them (same host: the dead
-  pid; elsewhere: Optuna's heartbeat) and re-enqueues their configurations, so none is lost.
+  pid; elsewhere: Optuna's heartbeat) and re-enqueues their configurations, so none is lost;
+- a resumed study re-seeds its sampler from the number of trials it holds (the same seed would
+  replay the first driver's proposals), and a proposal the study already measured starts no
+  engine: it is failed with status ``duplicate`` and counts toward the trial count.
 
 Imports optuna, never ray or mlflow (those live behind the runner and tracking seams).
 """
@@ -23,13 +30,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import socket
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +48,16 @@ from objectives import ObjectiveSet, load_objectives
 from optimizer.capacity.measure import dev_mode_env
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
+from optimizer.engine.defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
+from optimizer.trial_view import (
+    BASELINE_ATTR,
+    TrialView,
+    gpus_per_server,
+    record_engine_args,
+    record_result,
+    record_status,
+)
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
 
@@ -51,15 +66,14 @@ __all__ = [
     "StudyEvent",
     "StudyPlan",
     "baseline_defaults",
-    "completed_trials",
     "create_storage",
     "is_baseline",
     "prepare",
 ]
 
-BASELINE_ATTR = "baseline"
-STATUS_ATTR = "status"
 _DRIVER_ATTR = "driver"
+# Without SLOs, the one constraint every told trial carries: the engine served (<= 0) or not.
+_SERVED = "engine_served"
 
 
 @dataclass(frozen=True)
@@ -136,11 +150,6 @@ class StudyPlan:
             capacity=capacity,
         )
 
-    @property
-    def gpus_per_server(self) -> int:
-        """GPUs one server of the baseline shape asks Ray for (0 on the CPU build)."""
-        return 0 if self.context.cpu_build else 1
-
 
 @dataclass(frozen=True)
 class StudyEvent:
@@ -205,22 +214,14 @@ def _gpu_facts() -> tuple[int, float, str]:
     return len(out), float(mem) / 1024.0, name.strip()
 
 
-def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
-    """Validate a job completely and build its plan; nothing is started.
+def _shaped_trace(job: JobConfig) -> tuple[Trace, tuple[str, ...]]:
+    """The job's trace, read and shaped, and what reading and shaping did.
 
     Raises:
-        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+        ConfigError: Too few requests left after the warm-up ones.
     """
-    from optimizer.modelgen import make_model, model_info
-    from optimizer.vllm_flags import accepted_flags, installed_vllm, validate_engine_args
     from optimizer.workload.formats import read_trace
     from optimizer.workload.shaping import ShapeSpec, shape
-
-    out = job.output_dir(base)
-    out.mkdir(parents=True, exist_ok=True)
-    model = job.model.path
-    if job.model.make and not (Path(model) / "config.json").exists():
-        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
 
     trace, report = read_trace(
         job.trace.path, job.trace.format, skip_bad_rows=job.trace.skip_bad_rows
@@ -232,8 +233,40 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
             f"{job.trace.warmup_requests} warm-up requests: widen the window or lower "
             "warmup_requests"
         )
-    notes = (report.summary(), *(r.summary() for r in reports))
+    return shaped, (report.summary(), *(r.summary() for r in reports))
 
+
+def _validate_flags(
+    install: Any, space: SearchSpace, engine_args: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    """Every flag a trial can get, checked against the installed vLLM before anything starts."""
+    from optimizer.engine.flags import accepted_flags, validate_engine_args
+
+    flags = accepted_flags(install)
+    validate_engine_args(engine_args, flags)
+    validate_engine_args(baseline, flags)
+    # flag_values covers the space's fixed flags too, with dotted keys assembled.
+    for flag, values in space.flag_values().items():
+        for value in values:
+            validate_engine_args({flag: value}, flags)
+
+
+def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
+    """Validate a job completely and build its plan; nothing is started.
+
+    Raises:
+        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+    """
+    from optimizer.engine.flags import installed_vllm
+    from optimizer.engine.models import make_model, model_info
+
+    out = job.output_dir(base)
+    out.mkdir(parents=True, exist_ok=True)
+    model = job.model.path
+    if job.model.make and not (Path(model) / "config.json").exists():
+        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
+
+    shaped, notes = _shaped_trace(job)
     space = load_space(job.search_space)
     objectives = load_objectives(
         job.objectives.preset if not job.objectives.objectives else None,
@@ -246,23 +279,15 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     install = installed_vllm(job.engine.python) if check_flags else None
     n_gpus, gpu_mem, gpu_name = _gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
-    engine_args = dict(job.engine.args)
+    defaults = apply_engine_defaults(
+        model,
+        job.engine.args,
+        job.engine.env,
+        cpu_build=is_cpu,
+        kv_cache_gib=job.engine.kv_cache_gib,
+    )
+    engine_args, env = defaults.args, defaults.env
     local_model = Path(model).is_dir()
-    if (
-        local_model
-        and not any(Path(model).glob("*.safetensors"))
-        and "load-format" not in engine_args
-    ):
-        engine_args["load-format"] = "dummy"
-    env = dict(job.engine.env)
-    # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
-    # kv-cache-memory-bytes; a job that sizes it in bytes must not get the variable.
-    if (
-        is_cpu
-        and "VLLM_CPU_KVCACHE_SPACE" not in env
-        and "kv-cache-memory-bytes" not in engine_args
-    ):
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(job.engine.kv_cache_gib or 2)
     baseline = {
         **engine_args,
         **(
@@ -272,22 +297,10 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         ),
     }
 
-    if check_flags and install is not None:
-        flags = accepted_flags(install)
-        validate_engine_args(engine_args, flags)
-        validate_engine_args(baseline, flags)
-        # flag_values covers the space's fixed flags too, with dotted keys assembled.
-        for flag, values in space.flag_values().items():
-            for value in values:
-                validate_engine_args({flag: value}, flags)
+    if install is not None:
+        _validate_flags(install, space, engine_args, baseline)
 
-    if job.trace.token_range:
-        token_range = tuple(job.trace.token_range)
-    elif local_model:
-        info = model_info(model)
-        token_range = (info.prompt_low, info.prompt_high)
-    else:
-        token_range = (1000, 30000)
+    token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
     longest = max(r.input_tokens + r.output_tokens for r in shaped.requests)
     gpus = job.gpus_per_trial if job.gpus_per_trial else (0 if is_cpu else 1)
@@ -310,7 +323,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         objectives=objectives,
         engine=EngineConfig(model=model, args=engine_args, env=env),
         baseline_args=baseline,
-        token_range=(int(token_range[0]), int(token_range[1])),
+        token_range=token_range,
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
     )
@@ -340,16 +353,22 @@ def create_storage(
     )
 
 
-def _sampler(job: JobConfig) -> optuna.samplers.BaseSampler:
+def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler:
+    """The job's sampler; ``resumed_at``: trials the study already holds.
+
+    A seeded sampler restarts its random sequence in every new driver, so a resumed study would
+    propose the first driver's configurations again: the seed is offset by the trial count.
+    """
     s = job.sampler
+    seed = None if s.seed is None else s.seed + resumed_at
     if s.name == "random":
-        return optuna.samplers.RandomSampler(seed=s.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "gp":
-        return optuna.samplers.GPSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials)
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
     # parallel trials from proposing the same configuration.
     return optuna.samplers.TPESampler(
-        seed=s.seed,
+        seed=seed,
         multivariate=True,
         group=True,
         constant_liar=True,
@@ -366,7 +385,7 @@ def _hardware(cpu_build: bool) -> str:
 
 def is_baseline(trial: FrozenTrial) -> bool:
     """True for the study's baseline trial."""
-    return bool(trial.user_attrs.get(BASELINE_ATTR))
+    return TrialView(trial).is_baseline
 
 
 def _driver_identity() -> dict[str, Any]:
@@ -428,6 +447,9 @@ class StudyDriver:
         )
         if not self.study.metric_names:
             self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
+        held = len(self.study.get_trials(deepcopy=False))
+        if held:
+            self.study.sampler = _sampler(job, resumed_at=held)
         self.started_at = now()
         self.deadline: datetime | None = None
         if job.budget:
@@ -449,7 +471,8 @@ class StudyDriver:
             if t.state in (TrialState.COMPLETE, TrialState.RUNNING)
             or (
                 t.state == TrialState.FAIL
-                and t.user_attrs.get(STATUS_ATTR) == TrialStatus.INVALID_REPLAY.value
+                and TrialView(t).status
+                in (TrialStatus.INVALID_REPLAY.value, TrialStatus.DUPLICATE.value)
             )
         )
 
@@ -497,7 +520,8 @@ class StudyDriver:
         failed = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if _driver_dead(t.system_attrs.get(_DRIVER_ATTR)):
-                self.storage.set_trial_user_attr(t._trial_id, STATUS_ATTR, "driver_died")
+                # A FrozenTrial cannot be written through: the storage is (same attribute).
+                self.storage.set_trial_user_attr(t._trial_id, "status", "driver_died")
                 self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 failed.append(t.number)
         if isinstance(self.storage, optuna.storages.RDBStorage):
@@ -585,12 +609,24 @@ class StudyDriver:
         trial.storage.set_trial_system_attr(trial._trial_id, _DRIVER_ATTR, _driver_identity())
         if isinstance(self.storage, optuna.storages.RDBStorage):
             self.storage.record_heartbeat(trial._trial_id)
-        baseline = bool(trial.user_attrs.get(BASELINE_ATTR))
-        if baseline:
+        if TrialView(self._frozen(trial.number)).is_baseline:
             args = dict(self.plan.baseline_args)
         else:
             args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
-        trial.set_user_attr("engine_args", json.dumps(args, sort_keys=True, default=str))
+        encoded = record_engine_args(trial, args)
+        twin = self._measured_twin(encoded)
+        if twin is not None:
+            # A resumed seeded sampler, or an exhausted space: never measure a configuration
+            # twice in one study.
+            record_status(
+                trial,
+                TrialStatus.DUPLICATE.value,
+                f"trial {twin} measured this configuration",
+                duplicate_of=twin,
+            )
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.on_event(StudyEvent("rejected", trial.number, detail=f"duplicate of trial {twin}"))
+            return
         problems = check_constraints(args, self.plan.context)
         if problems:
             # Never start an engine for an invalid combination; the sampler still learns.
@@ -606,6 +642,14 @@ class StudyDriver:
             return
         self._submit(trial, args, attempt=0)
 
+    def _measured_twin(self, encoded_args: str) -> int | None:
+        """The number of a trial that already ran these engine arguments (None: none did)."""
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            view = TrialView(t)
+            if view.engine_args_key == encoded_args and view.status != TrialStatus.REJECTED.value:
+                return t.number
+        return None
+
     def _spec(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> TrialSpec:
         return self.plan.trial_spec(
             trial.number,
@@ -615,26 +659,20 @@ class StudyDriver:
             seed=trial.number * 1000 + attempt + 1,
             # The baseline is the reference every gain is read against: it replays the whole
             # trace even when it misses an SLO, so the report compares full measurements.
-            early_stop=False if trial.user_attrs.get(BASELINE_ATTR) else None,
+            early_stop=False if TrialView(self._frozen(trial.number)).is_baseline else None,
         )
 
     def _submit(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> None:
         spec = self._spec(trial, args, attempt)
-        gpus = self._gpus(args)
-        handle = self.runner.submit(spec, gpus)
+        handle = self.runner.submit(
+            spec, gpus_per_server(args, cpu_build=self.plan.context.cpu_build)
+        )
         self._running[trial.number] = (handle, trial, attempt)
         self.on_event(
             StudyEvent(
                 "started", trial.number, detail=json.dumps(args, sort_keys=True, default=str)
             )
         )
-
-    def _gpus(self, args: dict[str, Any]) -> int:
-        if self.plan.context.cpu_build:
-            return 0
-        tp = int(args.get("tensor-parallel-size", 1) or 1)
-        pp = int(args.get("pipeline-parallel-size", 1) or 1)
-        return tp * pp
 
     def _collect(self, number: int, fut: concurrent.futures.Future[TrialResult]) -> None:
         handle, trial, attempt = self._running.pop(number)
@@ -649,14 +687,17 @@ class StudyDriver:
                 status=TrialStatus.FAILED,
                 message=f"trial runner failed: {type(exc).__name__}: {exc}",
             )
+        if self._cancelled and result.status is not TrialStatus.COMPLETE:
+            # Stopped by cancel(): not a result the sampler may learn from.
+            result = TrialResult(
+                number=number,
+                status=TrialStatus.CANCELLED,
+                message="cancelled: " + result.message,
+                log_path=result.log_path,
+            )
         if result.status is TrialStatus.INVALID_REPLAY and attempt < self.plan.job.retries:
             self.on_event(StudyEvent("retry", number, result=result, detail=result.message))
-            args = (
-                json.loads(trial.user_attrs["engine_args"])
-                if "engine_args" in trial.user_attrs
-                else {}
-            )
-            self._submit(trial, args, attempt + 1)
+            self._submit(trial, TrialView(self._frozen(number)).engine_args, attempt + 1)
             return
         self._tell(trial, result, attempt)
         self.on_event(StudyEvent("finished", number, result=result, trial=self._frozen(number)))
@@ -664,34 +705,8 @@ class StudyDriver:
     def _frozen(self, number: int) -> FrozenTrial:
         return self.study.get_trials(deepcopy=False)[number]
 
-    def _record_attrs(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
-        trial.set_user_attr(STATUS_ATTR, result.status.value)
-        trial.set_user_attr("attempts", attempt + 1)
-        if result.failure_class is not None:
-            trial.set_user_attr("failure_class", result.failure_class.value)
-        if result.message:
-            trial.set_user_attr("message", result.message[:2000])
-        summary = {
-            k: (None if isinstance(v, float) and math.isnan(v) else v)
-            for k, v in result.summary.items()
-        }
-        trial.set_user_attr("summary", summary)
-        if result.memory is not None:
-            trial.set_user_attr("memory", asdict(result.memory))
-        if result.startup_s is not None:
-            trial.set_user_attr("startup_s", round(result.startup_s, 3))
-        if result.replay_s is not None:
-            trial.set_user_attr("replay_s", round(result.replay_s, 3))
-        if result.server_metrics:
-            trial.set_user_attr("server_metrics", dict(result.server_metrics))
-        trial.set_user_attr("log_path", result.log_path)
-        if result.effective_config:
-            trial.set_user_attr("effective_config", dict(result.effective_config))
-        if result.capacity:
-            trial.set_user_attr("capacity", _json_safe(result.capacity))
-
     def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
-        self._record_attrs(trial, result, attempt)
+        record_result(trial, result, attempt)
         objectives = self.plan.objectives
         if result.status is TrialStatus.COMPLETE and result.capacity:
             # A capacity trial: feasible when some scale met every SLO (capacity > 0).
@@ -700,14 +715,18 @@ class StudyDriver:
                 names, capacity_constraints(result.capacity, names), strict=True
             ):
                 trial.set_constraint(name, margin)
+            if not names:
+                trial.set_constraint(_SERVED, -1.0)
             self.study.tell(trial, objectives.values(result.summary))
         elif result.status is TrialStatus.COMPLETE:
             for slo, margin in zip(
                 objectives.slos, objectives.constraints(result.summary), strict=True
             ):
                 trial.set_constraint(str(slo), margin)
+            if not objectives.slos:
+                trial.set_constraint(_SERVED, -1.0)
             self.study.tell(trial, objectives.values(result.summary))
-        elif result.status is TrialStatus.INVALID_REPLAY:
+        elif result.status in (TrialStatus.INVALID_REPLAY, TrialStatus.CANCELLED):
             self.study.tell(trial, state=TrialState.FAIL)
         else:
             # Failed, or stopped early: a stopped replay's figures cover a partial window whose
@@ -721,8 +740,7 @@ class StudyDriver:
     ) -> None:
         """Failed, infeasible or rejected: complete, worst values, every constraint violated."""
         if record:
-            trial.set_user_attr(STATUS_ATTR, status.value)
-            trial.set_user_attr("message", message[:2000])
+            record_status(trial, status.value, message)
         slos = self.plan.objectives.slos
         margins = self.plan.objectives.failed_constraints()
         if slos:
@@ -730,7 +748,7 @@ class StudyDriver:
                 trial.set_constraint(str(slo), margin)
         else:
             # Without SLOs, "feasible" still means "the engine served": one implicit constraint.
-            trial.set_constraint("engine_served", 1.0)
+            trial.set_constraint(_SERVED, 1.0)
         self.study.tell(trial, self.plan.objectives.worst())
 
     def _write_plan(self) -> None:
@@ -751,19 +769,3 @@ class StudyDriver:
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with NaN / infinity as None, so every storage keeps it as JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def completed_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """COMPLETE trials in number order."""
-    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

@@ -12,7 +12,8 @@ and updating them, so running it twice creates nothing new.
 The parent run holds the job, the search space, the trace's statistics and shaping notes, a
 hypervolume-over-trials metric, the Pareto front (JSON, CSV, plots), parameter importances and
 a Markdown report (baseline vs front, gain per objective, what the winners changed, a diagnosis
-per trial class). Each child run holds the engine configuration (params), the whole summary,
+per trial class); :mod:`optimizer.analysis` makes every one of them, this module only logs.
+Each child run holds the engine configuration (params), the whole summary,
 startup/replay times, the memory account and server metrics (metrics), the trial's state,
 failure class, baseline / Pareto / SLO tags, and its records, engine log and latency CDF.
 
@@ -24,9 +25,7 @@ Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the flue
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import logging
 import math
@@ -37,28 +36,37 @@ import tempfile
 import threading
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optuna
 import yaml
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 from optuna.trial import FrozenTrial, TrialState
 
+from optimizer.analysis.diagnosis import diagnose
+from optimizer.analysis.documents import report_md
+from optimizer.analysis.front import (
+    FAILED_STATUSES,
+    finite,
+    front_csv,
+    front_doc,
+    front_numbers,
+    importances,
+    trial_class,
+)
+from optimizer.analysis.hypervolume import hypervolume_history
+from optimizer.analysis.plots import latency_cdf, plot_front
 from optimizer.errors import ConfigError
-from optimizer.report import front_rows
-from optimizer.study import StudyEvent, StudyPlan, create_storage, is_baseline
+from optimizer.study import StudyEvent, StudyPlan, create_storage
+from optimizer.trial_view import TrialView, metric_names
 
 __all__ = [
     "SyncSummary",
     "Tracker",
     "TrackingTarget",
-    "diagnose",
-    "hypervolume_history",
     "local_tracking_uri",
     "log_export",
     "sync_study",
@@ -82,7 +90,6 @@ REVIEW_DIR = "review"
 _MAX_PARAM = 6000
 _MAX_TAG = 7900
 _BATCH = 200
-_FAILED_STATUSES = ("failed", "invalid_replay", "driver_died")
 
 
 # --- where to log --------------------------------------------------------------------------------
@@ -200,580 +207,6 @@ def _bound_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-
-
-# --- pure helpers: classes, hypervolume, diagnosis -----------------------------------------------
-
-
-def _status(t: FrozenTrial) -> str:
-    return str(t.user_attrs.get("status") or t.state.name.lower())
-
-
-def _feasible(t: FrozenTrial) -> bool:
-    return t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
-
-
-def _measured(t: FrozenTrial) -> bool:
-    """Complete with real measurements (not a failure told with worst-case values)."""
-    return t.state == TrialState.COMPLETE and _status(t) == "complete" and bool(t.values)
-
-
-def _front(study: optuna.Study) -> set[int]:
-    return {t.number for t in study.best_trials if _feasible(t)}
-
-
-def _args(t: FrozenTrial) -> dict[str, Any]:
-    raw = t.user_attrs.get("engine_args")
-    try:
-        return dict(json.loads(raw)) if isinstance(raw, str) else {}
-    except ValueError:
-        return {}
-
-
-def _trial_class(t: FrozenTrial, front: set[int]) -> str:
-    status = _status(t)
-    if status in ("rejected", *_FAILED_STATUSES):
-        return status
-    if not _feasible(t):
-        return "slo_missed"
-    return "pareto" if t.number in front else "dominated"
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    v = float(value)
-    return v if math.isfinite(v) else None
-
-
-def _hv_scales(trials: list[FrozenTrial]) -> list[float] | None:
-    """Objective values the hypervolume is normalized by: the baseline's, or else the first
-    measured trial's (None while no trial was measured)."""
-    measured = sorted((t for t in trials if _measured(t)), key=lambda t: t.number)
-    ref = next((t for t in measured if is_baseline(t)), measured[0] if measured else None)
-    if ref is None or not ref.values:
-        return None
-    return [abs(v) if math.isfinite(v) and v != 0 else 1.0 for v in ref.values]
-
-
-def _hypervolume(
-    points: list[list[float]], directions: list[optuna.study.StudyDirection], scales: list[float]
-) -> float:
-    """Hypervolume of feasible points, each objective divided by its scale (see
-    :func:`hypervolume_history`)."""
-    from optuna._hypervolume import compute_hypervolume
-
-    ref = np.array([0.0 if d == optuna.study.StudyDirection.MAXIMIZE else 2.0 for d in directions])
-    losses = []
-    for p in points:
-        loss = [
-            -v / s if d == optuna.study.StudyDirection.MAXIMIZE else v / s
-            for v, s, d in zip(p, scales, directions, strict=True)
-        ]
-        if all(x < r for x, r in zip(loss, ref, strict=True)):
-            losses.append(loss)
-    if not losses:
-        return 0.0
-    arr = np.array(losses, dtype=np.float64)
-    if arr.shape[1] == 1:
-        return float(ref[0] - arr[:, 0].min())
-    return float(compute_hypervolume(arr, ref))
-
-
-def hypervolume_history(
-    trials: list[FrozenTrial], directions: list[optuna.study.StudyDirection]
-) -> dict[int, float]:
-    """Hypervolume of the feasible trials after each trial finished, keyed by trial number.
-
-    Objectives are made dimensionless by dividing each by the baseline's value (or, when the
-    baseline measured nothing, the first measured trial's), so the objectives' units do not
-    weigh in and the baseline alone scores exactly 1.0. The reference point is twice the
-    baseline for a minimized objective and zero for a maximized one: a configuration counts
-    once it is less than twice as slow as the baseline on every latency and serves anything.
-    The value after trial ``n`` covers the feasible trials that had finished by the time ``n``
-    finished (completion order, which is what a live tracker sees, so rebuilding the history
-    from the storage gives the same numbers).
-
-    Args:
-        trials: All trials of the study.
-        directions: The study's directions.
-
-    Returns:
-        Trial number -> hypervolume, for every complete trial (empty without a measured trial).
-    """
-    scales = _hv_scales(trials)
-    if scales is None:
-        return {}
-    done = sorted(
-        (t for t in trials if t.state == TrialState.COMPLETE and t.datetime_complete),
-        key=lambda t: (t.datetime_complete, t.number),
-    )
-    out: dict[int, float] = {}
-    points: list[list[float]] = []
-    for t in done:
-        if _feasible(t) and _measured(t) and t.values:
-            points.append(list(t.values))
-        out[t.number] = _hypervolume(points, directions, scales)
-    return out
-
-
-_FAILURE_HINTS = {
-    "oom_at_load": "out of memory while loading the weights: shard them (tensor-parallel-size), "
-    "quantize, or leave more memory free",
-    "kv_cache_too_small": "the KV cache cannot hold one max-model-len request: more KV memory "
-    "or a smaller max-model-len",
-    "invalid_argument": "vLLM refused an argument (see the log)",
-    "cuda_error": "CUDA error: driver, kernel or hardware (see the log)",
-    "engine_crashed": "the engine crashed (see the log tail)",
-    "startup_timeout": "not healthy within the startup timeout (compilation or weight loading)",
-}
-
-
-def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[str]:
-    """A serving engineer's short reading of one trial's measurements.
-
-    TTFT-bound (time before the first token dominates: prefill queueing) vs TPOT-bound
-    (decode dominates), the KV cache's capacity against the concurrency the trace produced
-    (Little's law: request throughput x mean end-to-end latency), preemptions and prefix-cache
-    hits from the server's metrics, and which SLOs were missed.
-
-    Args:
-        t: The trial.
-        trace_stats: :func:`optimizer.workload.stats.inspect_trace` of the replayed trace.
-
-    Returns:
-        Sentences, most important first.
-    """
-    status = _status(t)
-    message = str(t.user_attrs.get("message") or "").strip().splitlines()
-    first = message[0][:200] if message else ""
-    if status == "rejected":
-        return [f"rejected before any engine started: {first}"]
-    if status == "failed":
-        fc = str(t.user_attrs.get("failure_class") or "")
-        hint = _FAILURE_HINTS.get(fc, "the engine failed")
-        return [f"engine failed ({fc or 'unknown'}): {hint}."] + ([first] if first else [])
-    if status == "invalid_replay":
-        return ["the replay client could not keep the schedule: not scored, retried."]
-    if status == "driver_died":
-        return ["the driver died while this trial ran; its configuration was re-queued."]
-    s = {k: v for k, v in (t.user_attrs.get("summary") or {}).items() if _num(v) is not None}
-    mem = t.user_attrs.get("memory") or {}
-    server = t.user_attrs.get("server_metrics") or {}
-    lines: list[str] = []
-    missed = [name for name, m in t.constraints.items() if m > 0]
-    if missed:
-        lines.append("misses " + ", ".join(missed) + (f" ({first})" if first else "") + ".")
-    ttft95, e2el95 = s.get("p95_ttft_ms"), s.get("p95_e2el_ms")
-    tpot95, ttft50 = s.get("p95_tpot_ms"), s.get("median_ttft_ms") or s.get("p50_ttft_ms")
-    if ttft95 and e2el95:
-        share = ttft95 / e2el95
-        if share >= 0.5:
-            lines.append(
-                f"TTFT-bound: p95 TTFT is {share:.0%} of p95 end-to-end latency; requests wait "
-                "for prefill (queueing): more max-num-batched-tokens / max-num-seqs, chunked "
-                "prefill, or more KV cache to admit them sooner."
-            )
-        elif share <= 0.2:
-            lines.append(
-                f"TPOT-bound: decode dominates (p95 TPOT {tpot95 or float('nan'):.1f} ms, TTFT "
-                f"{share:.0%} of E2EL); a smaller decode batch (max-num-seqs) or speculative "
-                "decoding lowers TPOT, at some throughput."
-            )
-        else:
-            lines.append(f"balanced: p95 TTFT is {share:.0%} of p95 end-to-end latency.")
-    if ttft95 and ttft50 and ttft95 / ttft50 > 3:
-        cv = (trace_stats or {}).get("burstiness_cv")
-        lines.append(
-            f"TTFT tail p95/p50 = {ttft95 / ttft50:.1f}: queueing under bursts"
-            + (f" (trace burstiness CV {cv:.2f})." if isinstance(cv, int | float) else ".")
-        )
-    kv_tokens = _num(mem.get("kv_cache_tokens"))
-    thr, mean_e2el = s.get("request_throughput"), s.get("mean_e2el_ms")
-    if kv_tokens and thr and mean_e2el and s.get("completed"):
-        in_flight = thr * mean_e2el / 1000.0
-        per_request = (s.get("total_input_tokens", 0.0) + s.get("total_output_tokens", 0.0)) / s[
-            "completed"
-        ]
-        need = in_flight * per_request
-        holds = kv_tokens / per_request if per_request else float("inf")
-        conc = _num(mem.get("max_concurrency"))
-        text = (
-            f"KV cache {kv_tokens:,.0f} tokens holds ~{holds:,.0f} requests of this trace "
-            f"(max concurrency {conc:.1f}x at max-model-len); ~{in_flight:.1f} were in flight"
-            if conc
-            else f"KV cache {kv_tokens:,.0f} tokens holds ~{holds:,.0f} requests of this trace; "
-            f"~{in_flight:.1f} were in flight"
-        )
-        if need > 0.8 * kv_tokens:
-            text += ": capacity-bound (more KV memory, fp8 KV cache, smaller max-model-len)."
-        else:
-            text += f": ample ({need / kv_tokens:.0%} used on average)."
-        lines.append(text)
-        seqs = _num(_args(t).get("max-num-seqs"))
-        if seqs and holds < seqs:
-            lines.append(
-                f"max-num-seqs={seqs:.0f} exceeds what the KV cache holds (~{holds:.0f}): "
-                "the scheduler will preempt under load."
-            )
-    pre = _num(server.get("vllm:num_preemptions_total"))
-    if pre is not None:
-        lines.append(
-            f"{pre:.0f} preemptions: KV cache exhausted mid-decode, work recomputed."
-            if pre > 0
-            else "no preemptions."
-        )
-    queries = _num(server.get("vllm:prefix_cache_queries_total"))
-    hits = _num(server.get("vllm:prefix_cache_hits_total"))
-    if queries and hits is not None:
-        lines.append(f"prefix cache hit rate {hits / queries:.0%}.")
-    return lines or ["no measurements to read."]
-
-
-# --- documents the parent run shows --------------------------------------------------------------
-
-
-def _metric_names(study: optuna.Study) -> list[str]:
-    names = study.metric_names
-    return list(names) if names else [f"objective_{i}" for i in range(len(study.directions))]
-
-
-def _fmt(v: float | None, digits: int = 1) -> str:
-    if v is None or not math.isfinite(v):
-        return "-"
-    return f"{v:,.{digits}f}"
-
-
-def _front_doc(study: optuna.Study) -> list[dict[str, Any]]:
-    names = _metric_names(study)
-    trials = study.get_trials(deepcopy=False)
-    out = []
-    for row in front_rows(study):
-        out.append(
-            {
-                "trial": row.number,
-                "baseline": row.baseline,
-                "feasible": row.feasible,
-                "values": dict(zip(names, row.values, strict=False)),
-                "gain_pct": dict(zip(names, row.gains_pct, strict=False)),
-                "changed": row.changed,
-                "engine_args": _args(trials[row.number]),
-            }
-        )
-    return out
-
-
-def _front_csv(study: optuna.Study, doc: list[dict[str, Any]]) -> str:
-    names = _metric_names(study)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(
-        ["trial", "baseline", "feasible", *names, *(f"gain_pct_{n}" for n in names), "changed"]
-    )
-    for r in doc:
-        w.writerow(
-            [
-                r["trial"],
-                r["baseline"],
-                r["feasible"],
-                *(r["values"].get(n) for n in names),
-                *("" if r["gain_pct"].get(n) is None else r["gain_pct"][n] for n in names),
-                "; ".join(f"{k}={v}" for k, v in sorted(r["changed"].items())),
-            ]
-        )
-    return buf.getvalue()
-
-
-def _importances(study: optuna.Study) -> dict[str, Any]:
-    """Importances per objective (Optuna's default evaluator) over feasible measured trials.
-
-    Needs at least 2 such trials with parameters; otherwise (or when the evaluator refuses,
-    e.g. every value equal) the entry explains why.
-    """
-    usable = [t for t in study.get_trials(deepcopy=False) if _feasible(t) and _measured(t)]
-    usable = [t for t in usable if t.params]
-    if len(usable) < 2:
-        return {"note": f"{len(usable)} feasible trials with parameters; importances need 2"}
-    tmp = optuna.create_study(directions=study.directions)
-    tmp.add_trials(usable)
-    out: dict[str, Any] = {}
-    for i, name in enumerate(_metric_names(study)):
-        try:
-            sign = -1.0 if study.directions[i] == optuna.study.StudyDirection.MAXIMIZE else 1.0
-
-            def target(t: FrozenTrial, i: int = i, sign: float = sign) -> float:
-                return sign * float(t.values[i])  # evaluators rank params for low targets
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out[name] = optuna.importance.get_param_importances(tmp, target=target)
-        except Exception as exc:  # too few distinct values, a constant target, ...
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return out
-
-
-def _plot_front(study: optuna.Study, front: set[int], folder: Path) -> list[Path]:
-    """2-D projections of the measured trials; front highlighted, baseline marked."""
-    from matplotlib.figure import Figure
-
-    names = _metric_names(study)
-    trials = [t for t in study.get_trials(deepcopy=False) if _measured(t)]
-    if len(names) < 2 or not trials:
-        return []
-    files = []
-    for i in range(len(names)):
-        for j in range(i + 1, len(names)):
-            fig = Figure(figsize=(6, 4.5))
-            ax = fig.add_subplot()
-            groups = (
-                (
-                    "infeasible (SLO missed)",
-                    [t for t in trials if not _feasible(t)],
-                    "x",
-                    "tab:red",
-                ),
-                (
-                    "feasible, dominated",
-                    [t for t in trials if _feasible(t) and t.number not in front],
-                    "o",
-                    "tab:gray",
-                ),
-                ("Pareto front", [t for t in trials if t.number in front], "o", "tab:blue"),
-            )
-            for label, group, marker, color in groups:
-                if group:
-                    ax.scatter(
-                        [t.values[i] for t in group],
-                        [t.values[j] for t in group],
-                        marker=marker,
-                        color=color,
-                        label=label,
-                    )
-            for t in trials:
-                if t.number in front or is_baseline(t):
-                    ax.annotate(str(t.number), (t.values[i], t.values[j]), fontsize=8)
-            base = next((t for t in trials if is_baseline(t)), None)
-            if base is not None:
-                ax.scatter(
-                    [base.values[i]],
-                    [base.values[j]],
-                    marker="*",
-                    s=220,
-                    color="black",
-                    label="baseline (vLLM defaults)",
-                )
-
-            def arrow(k: int) -> str:
-                return "↓" if study.directions[k] == optuna.study.StudyDirection.MINIMIZE else "↑"
-
-            ax.set_xlabel(f"{names[i]} {arrow(i)}")
-            ax.set_ylabel(f"{names[j]} {arrow(j)}")
-            ax.set_title(f"{study.study_name}: {names[i]} vs {names[j]}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = folder / f"pareto_{names[i]}__{names[j]}.png"
-            fig.savefig(path, dpi=110)
-            files.append(path)
-    try:
-        import plotly  # noqa: F401
-
-        html = optuna.visualization.plot_pareto_front(
-            study, target_names=names, include_dominated_trials=True
-        )
-        path = folder / "pareto_front.html"
-        html.write_html(str(path))
-        files.append(path)
-    except Exception:  # plotly not installed, or too few trials: the PNGs suffice
-        pass
-    return files
-
-
-def _latency_cdf(records_path: Path, out: Path) -> bool:
-    """TTFT / TPOT / E2EL CDFs of a trial's measured, successful requests."""
-    from matplotlib.figure import Figure
-
-    from optimizer.trial import read_records
-
-    records = [r for r in read_records(records_path) if not r.warmup and r.ok and r.first_token_s]
-    if not records:
-        return False
-    ttft = [(r.first_token_s or 0.0) - r.sent_s for r in records]
-    e2el = [(r.chunk_times_s[-1] if r.chunk_times_s else r.end_s) - r.sent_s for r in records]
-    tpot = [
-        (e - f) / (r.output_tokens - 1)
-        for r, e, f in zip(records, e2el, ttft, strict=True)
-        if r.output_tokens > 1
-    ]
-    fig = Figure(figsize=(11, 3.5))
-    for k, (label, values) in enumerate((("TTFT", ttft), ("TPOT", tpot), ("E2EL", e2el))):
-        ax = fig.add_subplot(1, 3, k + 1)
-        if values:
-            ms = np.sort(np.array(values) * 1000.0)
-            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post")
-            p95 = float(np.percentile(ms, 95))
-            ax.axvline(p95, color="tab:red", ls="--", lw=1, label=f"p95 {p95:,.1f} ms")
-            ax.legend(fontsize=7)
-        ax.set_xlabel(f"{label} (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"latency CDF ({len(records)} measured requests)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return True
-
-
-def _capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
-    """report.md's capacity section (capacity studies only): the answer and every trial."""
-    from optimizer.analysis.capacity import answer_for_plan
-
-    answer = answer_for_plan(study, plan)
-    if answer is None:
-        return []
-    lines = ["", "## Capacity at SLO", ""]
-    lines += [f"- {line}" for line in answer.lines()]
-    lines += [
-        "",
-        "| trial | capacity req/s | output tok/s | rate scale | bracket | steps | broke first |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for c in answer.trials:
-        label = f"{c.number} (baseline)" if answer.baseline and c is answer.baseline else c.number
-        lines.append(
-            f"| {label} | {c.rps:.3g} | {c.output_tps:.4g} | {c.scale:.3g} | {c.bracket} | "
-            f"{c.steps} | {c.broke_first or '-'} |"
-        )
-    return lines
-
-
-def _report_md(
-    study: optuna.Study,
-    doc: list[dict[str, Any]],
-    front: set[int],
-    hv: dict[int, float],
-    importances: dict[str, Any],
-    plan: dict[str, Any],
-    trace: dict[str, Any],
-) -> str:
-    names = _metric_names(study)
-    trials = study.get_trials(deepcopy=False)
-    arrows = ["↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑" for d in study.directions]
-    over = [t for t in trials if t.state not in (TrialState.RUNNING, TrialState.WAITING)]
-    counts = Counter(_status(t) for t in over)
-    base = next((t for t in trials if is_baseline(t)), None)
-    base_args = _args(base) if base else {}
-    lines = [f"# Study `{study.study_name}`", ""]
-    if plan:
-        lines += [
-            f"- vLLM: {plan.get('vllm') or '-'}",
-            f"- trace: `{Path(str(plan.get('trace', '-'))).name}`, "
-            f"{plan.get('requests', '-')} requests after shaping",
-            f"- objectives: {', '.join(plan.get('objectives', []))}",
-            f"- SLOs: {', '.join(plan.get('slos', [])) or 'none'}",
-        ]
-    lines += [
-        f"- trials: {len(trials)} ("
-        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        + f"), Pareto front (feasible): {len(front)}",
-    ]
-    if hv:
-        last = max(hv.items(), key=lambda kv: kv[0])
-        lines.append(
-            f"- hypervolume {last[1]:.3f} after trial {last[0]} (baseline alone = 1.000; "
-            "objectives normalized by the baseline, reference 2x baseline latency / 0 throughput)"
-        )
-    lines += ["", "## Baseline vs the Pareto front", ""]
-    header = ["trial", *(f"{n} {a}" for n, a in zip(names, arrows, strict=True)), "SLOs"]
-    lines += ["| " + " | ".join(header) + " | changed vs baseline |"]
-    lines += ["|" + "---|" * (len(header) + 1)]
-    for r in doc:
-        cells = []
-        for n in names:
-            v, g = r["values"].get(n), r["gain_pct"].get(n)
-            text = _fmt(v)
-            if not r["baseline"] and g is not None:
-                text += f" ({g:+.1f}%)"
-            cells.append(text)
-        label = f"{r['trial']} (baseline)" if r["baseline"] else str(r["trial"])
-        changed = (
-            "vLLM defaults"
-            if r["baseline"]
-            else ", ".join(f"`{k}={v}`" for k, v in sorted(r["changed"].items())) or "-"
-        )
-        slo = "met" if r["feasible"] else "missed"
-        lines.append("| " + " | ".join([label, *cells, slo, changed]) + " |")
-    if not any(not r["baseline"] for r in doc):
-        lines += ["", "No feasible configuration beyond the baseline yet."]
-    lines += _capacity_section(study, plan)
-    winners = [r for r in doc if not r["baseline"]]
-    if winners:
-        lines += ["", "## What the winners changed", ""]
-        for r in winners:
-            diffs = [
-                f"`{k}`: {base_args.get(k, '(default)')} → {v}"
-                for k, v in sorted(r["changed"].items())
-            ]
-            gains = ", ".join(f"{n} {g:+.1f}%" for n, g in r["gain_pct"].items() if g is not None)
-            lines.append(
-                f"- trial {r['trial']} ({gains or 'no baseline to compare'}): "
-                + ("; ".join(diffs) or "same arguments as the baseline")
-            )
-        flags = Counter(k for r in winners for k in r["changed"])
-        common = [k for k, c in flags.items() if c == len(winners)]
-        if len(winners) > 1 and common:
-            lines.append(
-                f"- every front configuration changes: {', '.join(f'`{k}`' for k in common)}"
-            )
-    good = {k: v for k, v in importances.items() if isinstance(v, dict) and "error" not in v}
-    if good:
-        lines += ["", "## Parameter importances (Optuna's default evaluator, feasible trials)", ""]
-        for metric, imp in good.items():
-            top = sorted(imp.items(), key=lambda kv: -kv[1])[:5]
-            lines.append(f"- {metric}: " + ", ".join(f"`{p}` {v:.2f}" for p, v in top))
-    lines += ["", "## Diagnosis by trial class", ""]
-    stats = trace.get("stats") if isinstance(trace.get("stats"), dict) else None
-    classes = {
-        "pareto": "Pareto front",
-        "dominated": "Feasible, dominated",
-        "slo_missed": "Measured, SLO missed",
-        "failed": "Engine failed",
-        "rejected": "Rejected before start",
-        "invalid_replay": "Invalid replay (not scored)",
-        "driver_died": "Lost with a dead driver",
-    }
-    if base is not None:
-        lines += ["### Baseline", ""]
-        lines += [f"- trial {base.number}: " + " ".join(diagnose(base, stats)), ""]
-    for cls, title in classes.items():
-        members = [t for t in over if not is_baseline(t) and _trial_class(t, front) == cls]
-        if not members:
-            continue
-        lines += [f"### {title} ({len(members)})", ""]
-        lines += [f"- trial {t.number}: " + " ".join(diagnose(t, stats)) for t in members]
-        lines.append("")
-    notes = trace.get("notes") or []
-    if notes or stats:
-        lines += ["## Trace", ""]
-        lines += [f"- {n}" for n in notes]
-        if stats:
-            keys = (
-                "requests",
-                "duration_s",
-                "mean_rate_rps",
-                "peak_rate_rps",
-                "burstiness_cv",
-                "mean_input_tokens",
-                "mean_output_tokens",
-                "prefix_reuse_ratio",
-            )
-            lines += [
-                f"- {k}: {stats[k]:.3g}"
-                if isinstance(stats.get(k), float)
-                else f"- {k}: {stats.get(k)}"
-                for k in keys
-                if k in stats
-            ]
-    return "\n".join(lines).rstrip() + "\n"
 
 
 # --- the MLflow side -----------------------------------------------------------------------------
@@ -965,7 +398,7 @@ class _Syncer:
         assert self.parent is not None and self.experiment_id is not None
         if t.state in (TrialState.RUNNING, TrialState.WAITING):
             return False
-        name = "baseline" if is_baseline(t) else f"trial-{t.number:04d}"
+        name = "baseline" if TrialView(t).is_baseline else f"trial-{t.number:04d}"
         run = self.children.get(t.number)
         created = run is None
         if run is None:
@@ -996,7 +429,7 @@ class _Syncer:
             self._log(run, tags={_ARTIFACTS_TAG: state})
         status = (
             "FAILED"
-            if _status(t) in _FAILED_STATUSES or t.state == TrialState.FAIL
+            if TrialView(t).status in FAILED_STATUSES or t.state == TrialState.FAIL
             else ("FINISHED")
         )
         if run.status != status:
@@ -1005,7 +438,7 @@ class _Syncer:
         return created
 
     def _trial_params(self, t: FrozenTrial) -> dict[str, str]:
-        params = {k: _param_value(v) for k, v in _args(t).items() if k.strip()}
+        params = {k: _param_value(v) for k, v in TrialView(t).engine_args.items() if k.strip()}
         params["trial_number"] = str(t.number)
         if self.target.sampler:
             params["sampler"] = self.target.sampler
@@ -1013,35 +446,42 @@ class _Syncer:
 
     def _trial_metrics(self, t: FrozenTrial) -> dict[str, float]:
         out: dict[str, float] = {}
-        for k, v in (t.user_attrs.get("summary") or {}).items():
-            if (n := _num(v)) is not None:
+        view = TrialView(t)
+        for k, v in view.summary.items():
+            if (n := finite(v)) is not None:
                 out[str(k)] = n
-        for k in ("startup_s", "replay_s", "attempts"):
-            if (n := _num(t.user_attrs.get(k))) is not None:
+        for k, value in (
+            ("startup_s", view.startup_s),
+            ("replay_s", view.replay_s),
+            ("attempts", view.attempts),
+        ):
+            if (n := finite(value)) is not None:
                 out[k] = n
-        for k, v in (t.user_attrs.get("memory") or {}).items():
-            if (n := _num(v)) is not None:
+        for k, v in view.memory.items():
+            if (n := finite(v)) is not None:
                 out[str(k)] = n
-        for k, v in (t.user_attrs.get("server_metrics") or {}).items():
-            if (n := _num(v)) is not None:
+        for k, v in view.server_metrics.items():
+            if (n := finite(v)) is not None:
                 out["server." + re.sub(r"[^\w.\-/ ]", "_", str(k).removeprefix("vllm:"))] = n
         return out
 
     def _trial_tags(self, t: FrozenTrial, front: set[int]) -> dict[str, str]:
         tags = {
-            "state": _status(t),
-            "baseline": str(is_baseline(t)).lower(),
+            "state": TrialView(t).status,
+            "baseline": str(TrialView(t).is_baseline).lower(),
             "pareto": str(t.number in front).lower(),
-            "slo_met": str(_feasible(t)).lower(),
-            "class": _trial_class(t, front),
+            "slo_met": str(TrialView(t).feasible).lower(),
+            "class": trial_class(t, front),
         }
-        if t.user_attrs.get("failure_class"):
-            tags["failure_class"] = str(t.user_attrs["failure_class"])
-        if t.user_attrs.get("message"):
-            tags["message"] = _tag_value(str(t.user_attrs["message"]))
-        for k in ("retry_of", "enqueued"):
-            if k in t.user_attrs:
-                tags[k] = _tag_value(t.user_attrs[k])
+        view = TrialView(t)
+        if view.failure_class:
+            tags["failure_class"] = view.failure_class
+        if view.message:
+            tags["message"] = _tag_value(view.message)
+        if view.retry_of is not None:
+            tags["retry_of"] = _tag_value(view.retry_of)
+        if view.enqueued:
+            tags["enqueued"] = _tag_value(True)
         missed = [k for k, v in t.constraints.items() if v > 0]
         if missed:
             tags["slo_missed"] = _tag_value(", ".join(missed))
@@ -1071,14 +511,14 @@ class _Syncer:
             if path.is_file():
                 self.client.log_artifact(run.run_id, str(path))
                 logged = True
-        log_path = Path(str(t.user_attrs.get("log_path") or ""))
+        log_path = Path(TrialView(t).log_path)
         if log_path.name and log_path.is_file() and log_path.parent != last:
             self.client.log_artifact(run.run_id, str(log_path), "engine")
         records = last / "records.jsonl.gz"
         if records.is_file():
             with tempfile.TemporaryDirectory() as tmp:
                 png = Path(tmp) / "latency_cdf.png"
-                if _latency_cdf(records, png):
+                if latency_cdf(records, png):
                     self.client.log_artifact(run.run_id, str(png), "plots")
         return "uploaded" if logged else "none"
 
@@ -1123,7 +563,7 @@ class _Syncer:
         assert self.parent is not None
         study = self.study()
         trials = study.get_trials(deepcopy=False)
-        front = _front(study)
+        front = front_numbers(study)
         for number, run in self.children.items():
             want = str(number in front).lower()
             if run.tags.get("pareto") != want:
@@ -1132,7 +572,13 @@ class _Syncer:
         digest = hashlib.sha256(
             json.dumps(
                 [
-                    (t.number, t.state.name, t.values, _status(t), sorted(t.constraints.items()))
+                    (
+                        t.number,
+                        t.state.name,
+                        t.values,
+                        TrialView(t).status,
+                        sorted(t.constraints.items()),
+                    )
                     for t in trials
                 ],
                 default=str,
@@ -1166,7 +612,7 @@ class _Syncer:
         hv = hypervolume_history(trials, list(study.directions))
         history = self.client.get_metric_history(self.parent.run_id, "trials_done")
         logged = {int(m.step) for m in history}
-        names = _metric_names(study)
+        names = metric_names(study)
         done = sorted(
             (t for t in trials if t.state == TrialState.COMPLETE and t.datetime_complete),
             key=lambda t: (t.datetime_complete, t.number),
@@ -1176,7 +622,7 @@ class _Syncer:
             if t.number in logged:
                 continue
             seen = done[: k + 1]
-            feasible = [x for x in seen if _feasible(x) and _measured(x)]
+            feasible = [x for x in seen if TrialView(x).feasible]
             ts = _ms(t.datetime_complete) or int(time.time() * 1000)
             values = {"trials_done": float(k + 1), "feasible_trials": float(len(feasible))}
             if t.number in hv:
@@ -1208,25 +654,23 @@ class _Syncer:
 
     def _parent_artifacts(self, study: optuna.Study, front: set[int]) -> None:
         assert self.parent is not None
-        doc = _front_doc(study)
-        importances = _importances(study)
+        doc = front_doc(study)
+        ranked = importances(study)
         plan = _read_json(self.target.out / "plan.json")
         trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
         hv = hypervolume_history(study.get_trials(deepcopy=False), list(study.directions))
-        report = _report_md(study, doc, front, hv, importances, plan, trace)
+        report = report_md(study, doc, front, hv, ranked, plan, trace)
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             pareto = root / "pareto"
             pareto.mkdir()
             (pareto / "front.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-            (pareto / "front.csv").write_text(_front_csv(study, doc))
+            (pareto / "front.csv").write_text(front_csv(study, doc))
             try:
-                _plot_front(study, front, pareto)
+                plot_front(study, front, pareto)
             except Exception as exc:  # a plot must never stop the review
                 _log.warning("MLflow: Pareto plots failed: %s", exc)
-            (root / "importance.json").write_text(
-                json.dumps(importances, indent=2, default=str) + "\n"
-            )
+            (root / "importance.json").write_text(json.dumps(ranked, indent=2, default=str) + "\n")
             (root / "report.md").write_text(report)
             self._capacity_metrics(study, plan)
             if plan:
@@ -1244,7 +688,7 @@ class _Syncer:
         self.sync_parent_inputs()
         study = self.study()
         trials = study.get_trials(deepcopy=False)
-        front = _front(study)
+        front = front_numbers(study)
         existed = 0
         for t in trials:
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
@@ -1313,7 +757,6 @@ class Tracker:
         self.last_error = ""
         self._queue: queue.Queue[Any] = queue.Queue()
         self._abandon = threading.Event()
-        self._idle = threading.Event()
         self._closed = False
         self._pending: set[int] = set()
         self._lock = threading.Lock()
@@ -1331,7 +774,6 @@ class Tracker:
     def on_event(self, event: StudyEvent) -> None:
         """Queue a driver event; never blocks, never raises."""
         if event.kind in ("finished", "rejected", "stale"):
-            self._idle.clear()
             self._queue.put(("trial", event.number))
 
     def finish(self, study: optuna.Study | None = None) -> bool:
@@ -1341,7 +783,6 @@ class Tracker:
             True when everything was logged.
         """
         if not self._closed:
-            self._idle.clear()
             self._queue.put(("finish", None))
         return self.close()
 
@@ -1400,7 +841,6 @@ class Tracker:
                 elif it[0] == "inputs":
                     inputs = True
             if not (inputs or finish or front or self._pending):
-                self._idle.set()
                 if stopping:
                     return
                 continue
@@ -1414,7 +854,7 @@ class Tracker:
                 if self._pending:
                     study = syncer.study()
                     trials = study.get_trials(deepcopy=False)
-                    current = _front(study)
+                    current = front_numbers(study)
                     for number in sorted(self.pending):
                         if number < len(trials):
                             syncer.sync_trial(trials[number], current)

@@ -5,6 +5,10 @@ that does not start (or dies mid-replay) yields a ``failed`` result carrying its
 and log lines; a replay whose client could not keep the schedule yields ``invalid_replay`` so
 the study retries instead of scoring a distorted measurement. The engine is always stopped,
 with its whole process group, before this function returns.
+
+Every figure of the summary is :func:`objectives.summarize`'s over the records it describes,
+send lag included (one definition: ``sent_s - scheduled_s`` per measured request); the
+replayer's own P99, which judges whether the schedule was kept, is quoted in its message.
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
 from optimizer.capacity.trial import run_capacity
-from optimizer.engine import EngineProcess
+from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
 from optimizer.trial_io import read_records, write_records
 from optimizer.types import (
     FailureClass,
+    MemoryAccount,
     TrialResult,
     TrialSpec,
     TrialStatus,
@@ -37,7 +42,15 @@ from optimizer.workload.replay import ReplayProgress, ReplayResult, run_replay
 
 _T = TypeVar("_T")
 
-__all__ = ["SERVER_METRICS", "boost_priority", "read_records", "run_trial", "write_records"]
+__all__ = [
+    "SERVER_METRICS",
+    "Engine",
+    "boost_priority",
+    "engine_for",
+    "read_records",
+    "run_trial",
+    "write_records",
+]
 
 # /metrics samples worth keeping per trial (counters are read after the replay).
 SERVER_METRICS = (
@@ -92,12 +105,42 @@ def _replay(
     )
 
 
+class Engine(Protocol):
+    """What a trial needs of its server (:class:`~optimizer.engine.process.EngineProcess`, or
+    a fake in tests)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def log_path(self) -> Path: ...
+    @property
+    def startup_s(self) -> float | None: ...
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def check_alive(self) -> None: ...
+    def memory_account(self) -> MemoryAccount | None: ...
+    def effective_config(self) -> dict[str, str]: ...
+    def scrape_metrics(self) -> dict[str, float]: ...
+
+
+def engine_for(spec: TrialSpec) -> EngineProcess:
+    """The real server of a trial: its engine config, its log in the trial's folder."""
+    return EngineProcess(
+        spec.engine,
+        log_path=Path(spec.workdir) / "engine.log",
+        python=spec.python,
+        startup_timeout_s=spec.startup_timeout_s,
+    )
+
+
 def run_trial(
     spec: TrialSpec,
     *,
     progress: Callable[[ReplayProgress], None] | None = None,
-    on_engine_ready: Callable[[EngineProcess], None] | None = None,
+    on_engine_ready: Callable[[Any], None] | None = None,
     isolate_client: bool = False,
+    engine: Engine | None = None,
 ) -> TrialResult:
     """Run one trial to completion; never raises for engine or replay failures.
 
@@ -109,23 +152,18 @@ def run_trial(
         isolate_client: Run the replay client in a fresh process of its own. Inside a Ray actor
             the worker's background threads compete for the GIL with the client's event loop
             and add tens of milliseconds of send lag; a clean interpreter keeps the schedule.
+        engine: The server to measure (default: :func:`engine_for`, a real vLLM server); a
+            fake one lets tests check every outcome without vLLM.
 
     Returns:
         The result; ``records.jsonl.gz`` and ``result.json`` are also written to
         ``spec.workdir``.
     """
-    workdir = Path(spec.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    slos = [parse_slo(s) for s in spec.slos]
-    engine = EngineProcess(
-        spec.engine,
-        log_path=workdir / "engine.log",
-        python=spec.python,
-        startup_timeout_s=spec.startup_timeout_s,
-    )
+    Path(spec.workdir).mkdir(parents=True, exist_ok=True)
+    server = engine if engine is not None else engine_for(spec)
     try:
         try:
-            engine.start()
+            server.start()
         except EngineError as exc:
             return _finish(
                 spec,
@@ -136,113 +174,117 @@ def run_trial(
                     message=exc.explanation,
                     log_path=exc.log_path,
                     log_lines=exc.log_lines,
-                    memory=engine.memory_account(),
+                    memory=server.memory_account(),
                 ),
             )
         if on_engine_ready is not None:
-            on_engine_ready(engine)
-        memory = engine.memory_account()
-        effective = engine.effective_config()
-        t0 = time.monotonic()
+            on_engine_ready(server)
         if spec.capacity is not None:
-            outcome = _in_client(run_capacity, spec, engine.url, progress, isolate_client)
-            replay_s = time.monotonic() - t0
-            server_metrics = _scrape(engine)
-            try:
-                engine.check_alive()
-            except EngineError as exc:
-                return _finish(
-                    spec,
-                    TrialResult(
-                        number=spec.number,
-                        status=TrialStatus.FAILED,
-                        failure_class=exc.failure_class,
-                        message="the engine died during the capacity search: " + exc.explanation,
-                        records=outcome.records,
-                        summary=outcome.summary,
-                        startup_s=engine.startup_s,
-                        replay_s=replay_s,
-                        memory=memory,
-                        log_path=exc.log_path,
-                        log_lines=exc.log_lines,
-                        effective_config=effective,
-                        capacity=outcome.doc,
-                    ),
-                )
-            return _finish(
-                spec,
-                TrialResult(
-                    number=spec.number,
-                    status=TrialStatus.INVALID_REPLAY if outcome.invalid else TrialStatus.COMPLETE,
-                    summary=outcome.summary,
-                    records=outcome.records,
-                    message=outcome.message,
-                    startup_s=engine.startup_s,
-                    replay_s=replay_s,
-                    memory=memory,
-                    server_metrics=server_metrics,
-                    log_path=str(engine.log_path),
-                    effective_config=effective,
-                    capacity=outcome.doc,
-                ),
-            )
-        replay = _in_client(_replay, spec, engine.url, progress, isolate_client)
-        replay_s = time.monotonic() - t0
-        server_metrics = _scrape(engine)
-        stopped = replay.stopped_early and replay.stop_reason.startswith(EARLY_STOP_PREFIX)
-        # Requests an early stop never sent or cancelled are not the server's failures.
-        measured = measured_records(replay.records) if stopped else list(replay.records)
-        try:
-            engine.check_alive()
-        except EngineError as exc:
-            return _finish(
-                spec,
-                TrialResult(
-                    number=spec.number,
-                    status=TrialStatus.FAILED,
-                    failure_class=exc.failure_class,
-                    message="the engine died during the replay: " + exc.explanation,
-                    records=replay.records,
-                    summary=summarize(measured, slos=slos),
-                    startup_s=engine.startup_s,
-                    replay_s=replay_s,
-                    memory=memory,
-                    log_path=exc.log_path,
-                    log_lines=exc.log_lines,
-                    effective_config=effective,
-                ),
-            )
-        summary = dict(summarize(measured, slos=slos))
-        summary["p99_send_lag_ms"] = replay.p99_send_lag_ms
-        message = replay.message
-        if not replay.schedule_kept:
-            status = TrialStatus.INVALID_REPLAY
-        elif stopped:
-            # Partial evidence is kept (marked partial); the sampler is never told it as if it
-            # were a full replay (see StudyDriver._tell).
-            status = TrialStatus.INFEASIBLE
-            message = replay.stop_reason
-            summary["partial"] = 1.0
-        else:
-            status = TrialStatus.COMPLETE
-        return _finish(
-            spec,
-            TrialResult(
-                number=spec.number,
-                status=status,
-                summary=summary,
-                records=replay.records,
-                message=message,
-                startup_s=engine.startup_s,
-                replay_s=replay_s,
-                memory=memory,
-                server_metrics=server_metrics,
-                log_path=str(engine.log_path),
-                effective_config=effective,
-            ),
-        )
+            return _finish(spec, _measure_capacity(spec, server, progress, isolate_client))
+        return _finish(spec, _measure_replay(spec, server, progress, isolate_client))
     finally:
-        engine.stop()
+        server.stop()
+
+
+def _died(spec: TrialSpec, exc: EngineError, during: str, **measured: Any) -> TrialResult:
+    """The engine died while it was measured: a failure, with what was measured until then."""
+    return TrialResult(
+        number=spec.number,
+        status=TrialStatus.FAILED,
+        failure_class=exc.failure_class,
+        message=f"the engine died during the {during}: " + exc.explanation,
+        log_path=exc.log_path,
+        log_lines=exc.log_lines,
+        **measured,
+    )
+
+
+def _client_side(
+    fn: Callable[..., _T],
+    spec: TrialSpec,
+    server: Engine,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> tuple[_T, dict[str, Any], dict[str, float]]:
+    """Run the client side on a healthy server: its outcome, the result fields every
+    measurement has (startup and replay times, memory account, effective config), and the
+    server's metrics read after it."""
+    memory = server.memory_account()
+    effective = server.effective_config()
+    t0 = time.monotonic()
+    outcome = _in_client(fn, spec, server.url, progress, isolate_client)
+    fields: dict[str, Any] = {
+        "startup_s": server.startup_s,
+        "replay_s": time.monotonic() - t0,
+        "memory": memory,
+        "effective_config": effective,
+    }
+    return outcome, fields, _scrape(server)
+
+
+def _measure_capacity(
+    spec: TrialSpec,
+    server: Engine,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> TrialResult:
+    """A capacity trial on a healthy server: the rate search, then the server's state."""
+    outcome, measured, server_metrics = _client_side(
+        run_capacity, spec, server, progress, isolate_client
+    )
+    measured.update(records=outcome.records, summary=outcome.summary, capacity=outcome.doc)
+    try:
+        server.check_alive()
+    except EngineError as exc:
+        return _died(spec, exc, "capacity search", **measured)
+    return TrialResult(
+        number=spec.number,
+        status=TrialStatus.INVALID_REPLAY if outcome.invalid else TrialStatus.COMPLETE,
+        message=outcome.message,
+        server_metrics=server_metrics,
+        log_path=str(server.log_path),
+        **measured,
+    )
+
+
+def _measure_replay(
+    spec: TrialSpec,
+    server: Engine,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> TrialResult:
+    """A fixed-load trial on a healthy server: replay the trace, summarize, judge."""
+    slos = [parse_slo(s) for s in spec.slos]
+    replay, common, server_metrics = _client_side(_replay, spec, server, progress, isolate_client)
+    stopped = replay.stopped_early and replay.stop_reason.startswith(EARLY_STOP_PREFIX)
+    # Requests an early stop never sent or cancelled are not the server's failures.
+    measured = measured_records(replay.records) if stopped else list(replay.records)
+    summary = dict(summarize(measured, slos=slos))
+    common["records"] = replay.records
+    try:
+        server.check_alive()
+    except EngineError as exc:
+        return _died(spec, exc, "replay", summary=summary, **common)
+    message = replay.message
+    if not replay.schedule_kept:
+        status = TrialStatus.INVALID_REPLAY
+    elif stopped:
+        # Partial evidence is kept (marked partial); the sampler is never told it as if it
+        # were a full replay (see StudyDriver._tell).
+        status = TrialStatus.INFEASIBLE
+        message = replay.stop_reason
+        summary["partial"] = 1.0
+    else:
+        status = TrialStatus.COMPLETE
+    return TrialResult(
+        number=spec.number,
+        status=status,
+        summary=summary,
+        message=message,
+        server_metrics=server_metrics,
+        log_path=str(server.log_path),
+        **common,
+    )
 
 
 def _in_client(
@@ -267,7 +309,7 @@ def _in_client(
             os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
-def _scrape(engine: EngineProcess) -> dict[str, float]:
+def _scrape(engine: Engine) -> dict[str, float]:
     try:
         metrics = engine.scrape_metrics()
     except Exception:

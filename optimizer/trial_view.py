@@ -1,9 +1,12 @@
-"""One reader of a stored trial: what the study wrote into Optuna, decoded in one place.
+"""The one reader and writer of a stored trial: what the study keeps in Optuna, in one place.
 
 The study driver stores each trial's outcome as Optuna user attributes (``status``,
-``engine_args`` as JSON, ``summary``, ``capacity``, ...). :class:`TrialView` reads them; new
-code asks it instead of parsing attributes itself. :func:`gpus_per_server` is the one rule for
-how many GPUs a configuration's server takes.
+``engine_args`` as JSON, ``summary``, ``capacity``, ...). The writers here
+(:func:`record_engine_args`, :func:`record_status`, :func:`record_result`) are the only code
+that sets them; :class:`TrialView` is the only code that reads them, and the study-level
+readers (:func:`metric_names`, :func:`baseline_of`, :func:`feasible_front`) answer what every
+report asks. The attribute names are a storage format: existing study folders must still read.
+:func:`gpus_per_server` is the one rule for how many GPUs a configuration's server takes.
 """
 
 from __future__ import annotations
@@ -11,12 +14,35 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["CapacityView", "TrialView", "gpus_per_server"]
+if TYPE_CHECKING:
+    import optuna
+
+    from optimizer.types import TrialResult
+
+__all__ = [
+    "BASELINE_ATTR",
+    "STATUS_ATTR",
+    "CapacityView",
+    "TrialView",
+    "baseline_of",
+    "feasible_front",
+    "gpus_per_server",
+    "metric_names",
+    "record_engine_args",
+    "record_result",
+    "record_status",
+]
+
+# Stored attribute names (a storage format: never rename).
+BASELINE_ATTR = "baseline"
+STATUS_ATTR = "status"
+ENGINE_ARGS_ATTR = "engine_args"
+_MESSAGE_CHARS = 2000
 
 
 def gpus_per_server(args: Mapping[str, Any], *, cpu_build: bool = False) -> int:
@@ -134,9 +160,18 @@ class TrialView:
 
     @property
     def engine_args(self) -> dict[str, Any]:
-        """The engine arguments it ran with."""
-        raw = self.trial.user_attrs.get("engine_args")
-        return dict(json.loads(raw)) if isinstance(raw, str) else {}
+        """The engine arguments it ran with ({} when none were stored or they do not parse)."""
+        raw = self.trial.user_attrs.get(ENGINE_ARGS_ATTR)
+        try:
+            return dict(json.loads(raw)) if isinstance(raw, str) else {}
+        except ValueError:
+            return {}
+
+    @property
+    def engine_args_key(self) -> str | None:
+        """The stored engine arguments as written (a canonical JSON text), for equality."""
+        raw = self.trial.user_attrs.get(ENGINE_ARGS_ATTR)
+        return raw if isinstance(raw, str) else None
 
     @property
     def measured(self) -> bool:
@@ -166,9 +201,73 @@ class TrialView:
         return CapacityView.from_doc(doc) if isinstance(doc, Mapping) else None
 
     @property
+    def startup_s(self) -> float | None:
+        """Seconds its engine took to start (None: it never started)."""
+        value = self.trial.user_attrs.get("startup_s")
+        return float(value) if value is not None else None
+
+    @property
+    def replay_s(self) -> float | None:
+        """Seconds its replay took (None: no replay)."""
+        value = self.trial.user_attrs.get("replay_s")
+        return float(value) if value is not None else None
+
+    @property
     def message(self) -> str:
         """What happened, in a paragraph."""
         return str(self.trial.user_attrs.get("message") or "")
+
+    @property
+    def failure_class(self) -> str:
+        """Why its engine failed (``oom``, ``kv_cache_too_small``, ...; empty otherwise)."""
+        return str(self.trial.user_attrs.get("failure_class") or "")
+
+    @property
+    def attempts(self) -> int | None:
+        """Replays it took (a replay that could not keep its schedule is retried)."""
+        value = self.trial.user_attrs.get("attempts")
+        return int(value) if value is not None else None
+
+    @property
+    def retry_of(self) -> int | None:
+        """The trial whose configuration a dead driver lost and this one re-ran."""
+        value = self.trial.user_attrs.get("retry_of")
+        return int(value) if value is not None else None
+
+    @property
+    def enqueued(self) -> bool:
+        """The job enqueued this configuration (it was not the sampler's proposal)."""
+        return bool(self.trial.user_attrs.get("enqueued"))
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        """The engine's memory account at startup ({} when none)."""
+        return dict(self.trial.user_attrs.get("memory") or {})
+
+    @property
+    def server_metrics(self) -> dict[str, float]:
+        """/metrics samples read after the replay ({} when none)."""
+        return dict(self.trial.user_attrs.get("server_metrics") or {})
+
+    @property
+    def effective_config(self) -> dict[str, str]:
+        """The engine's own config line, field -> logged text ({} when none)."""
+        return dict(self.trial.user_attrs.get("effective_config") or {})
+
+    @property
+    def log_path(self) -> str:
+        """The engine log's path ("" when none)."""
+        return str(self.trial.user_attrs.get("log_path") or "")
+
+    @property
+    def capacity_doc(self) -> dict[str, Any] | None:
+        """The capacity search as stored (JSON), for documents that carry it whole."""
+        doc = self.trial.user_attrs.get("capacity")
+        return dict(doc) if isinstance(doc, Mapping) else None
+
+    def attributes(self) -> dict[str, Any]:
+        """Every stored attribute, raw (for a full dump; decode through the properties)."""
+        return dict(self.trial.user_attrs)
 
     def slo_verdicts(self) -> dict[str, bool]:
         """SLO -> met, from the constraints told to Optuna."""
@@ -177,3 +276,80 @@ class TrialView:
     def gpus(self, *, cpu_build: bool = False) -> int:
         """GPUs its server used."""
         return gpus_per_server(self.engine_args, cpu_build=cpu_build)
+
+
+# --- study-level readers ------------------------------------------------------------------------
+
+
+def metric_names(study: optuna.Study) -> list[str]:
+    """The study's objective names (``objective_<i>`` for a study stored without names)."""
+    names = study.metric_names
+    return list(names) if names else [f"objective_{i}" for i in range(len(study.directions))]
+
+
+def baseline_of(study: optuna.Study, *, measured: bool = False) -> FrozenTrial | None:
+    """The study's baseline trial (vLLM's defaults); ``measured``: only a told one."""
+    for t in study.get_trials(deepcopy=False):
+        if TrialView(t).is_baseline and (not measured or t.state == TrialState.COMPLETE):
+            return t
+    return None
+
+
+def feasible_front(study: optuna.Study) -> list[FrozenTrial]:
+    """The feasible Pareto front: measured trials that meet every SLO, none dominated."""
+    return [t for t in study.best_trials if TrialView(t).feasible]
+
+
+# --- writers: the study driver records a trial through these ------------------------------------
+
+
+def record_engine_args(trial: optuna.trial.Trial, args: Mapping[str, Any]) -> str:
+    """Store the engine arguments a trial runs with; returns the stored (canonical) text."""
+    encoded = json.dumps(dict(args), sort_keys=True, default=str)
+    trial.set_user_attr(ENGINE_ARGS_ATTR, encoded)
+    return encoded
+
+
+def record_status(trial: optuna.trial.Trial, status: str, message: str = "", **extra: Any) -> None:
+    """Store how a trial ended (a :class:`~optimizer.types.TrialStatus` value) and why."""
+    trial.set_user_attr(STATUS_ATTR, status)
+    if message:
+        trial.set_user_attr("message", message[:_MESSAGE_CHARS])
+    for key, value in extra.items():
+        trial.set_user_attr(key, value)
+
+
+def record_result(trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
+    """Store a finished trial's result (status, summary, memory, capacity, ...)."""
+    record_status(trial, result.status.value, result.message, attempts=attempt + 1)
+    if result.failure_class is not None:
+        trial.set_user_attr("failure_class", result.failure_class.value)
+    summary = {
+        k: (None if isinstance(v, float) and math.isnan(v) else v)
+        for k, v in result.summary.items()
+    }
+    trial.set_user_attr("summary", summary)
+    if result.memory is not None:
+        trial.set_user_attr("memory", asdict(result.memory))
+    if result.startup_s is not None:
+        trial.set_user_attr("startup_s", round(result.startup_s, 3))
+    if result.replay_s is not None:
+        trial.set_user_attr("replay_s", round(result.replay_s, 3))
+    if result.server_metrics:
+        trial.set_user_attr("server_metrics", dict(result.server_metrics))
+    trial.set_user_attr("log_path", result.log_path)
+    if result.effective_config:
+        trial.set_user_attr("effective_config", dict(result.effective_config))
+    if result.capacity:
+        trial.set_user_attr("capacity", _json_safe(result.capacity))
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN / infinity as None, so every storage keeps it as JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value

@@ -168,7 +168,8 @@ class TrialStatus(enum.StrEnum):
     small, timeout): a result that marks the edge of the feasible region. ``infeasible``: stopped
     early because its SLOs could no longer be met. ``invalid_replay``: the client could not keep
     the schedule; never scored, retried. ``rejected``: an invalid combination caught before any
-    engine started.
+    engine started. ``cancelled``: stopped by a cancel; not a result, never told to the sampler.
+    ``duplicate``: a configuration the study had already measured; no engine started.
     """
 
     COMPLETE = "complete"
@@ -176,6 +177,8 @@ class TrialStatus(enum.StrEnum):
     INFEASIBLE = "infeasible"
     INVALID_REPLAY = "invalid_replay"
     REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    DUPLICATE = "duplicate"
 
 
 @dataclass(frozen=True, slots=True)

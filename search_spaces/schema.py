@@ -48,7 +48,7 @@ from pydantic import (
     model_validator,
 )
 
-from optimizer.errors import ConfigError
+from optimizer.errors import SearchSpaceError
 
 if TYPE_CHECKING:
     from optuna.trial import BaseTrial
@@ -77,10 +77,6 @@ _PARAM_TYPES: Final[tuple[str, ...]] = ("int", "float", "categorical")
 _SWITCH_KEY: Final[str] = "method"
 _FLOAT_TOLERANCE: Final[float] = 1e-9
 _GRID_DECIMALS: Final[int] = 12
-
-
-class SearchSpaceError(ConfigError, ValueError):
-    """A search space is malformed; the message names the key at fault and the fix."""
 
 
 def normalize_flag(name: str) -> str:
@@ -465,14 +461,6 @@ class SearchSpace(_Strict):
             if self._active(param, values):
                 values[name] = param.suggest(trial, name)
         return _assemble(values, self._switched())
-
-    def defaults_for_baseline(self) -> dict[str, Any]:
-        """Engine arguments of the baseline trial: the fixed flags only (vLLM decides the rest).
-
-        Returns:
-            The fixed flags, dotted ones assembled, null values left out.
-        """
-        return _assemble(dict(self.fixed), self._switched())
 
     def flag_values(self) -> dict[str, list[Any]]:
         """Representative values of every top-level flag, for validation against vLLM.

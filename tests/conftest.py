@@ -18,7 +18,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `tiny` model folder made by make-model (no weights: served with --load-format dummy)."""
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
@@ -26,8 +26,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_install():  # type: ignore[no-untyped-def]
     """The vLLM build of this interpreter; integration tests skip without one, except in CI."""
+    from optimizer.engine.flags import installed_vllm
     from optimizer.errors import ConfigError
-    from optimizer.vllm_flags import installed_vllm
 
     try:
         return installed_vllm()

@@ -20,7 +20,7 @@ from typing import Any
 
 import optuna
 
-from optimizer.trial_view import CapacityView, TrialView
+from optimizer.trial_view import CapacityView, TrialView, feasible_front
 
 __all__ = ["CapacityAnswer", "TrialCapacity", "capacity_answer", "explain_unmet"]
 
@@ -343,10 +343,10 @@ def study_json(
 ) -> dict[str, Any]:
     """A study as one JSON document (``show --json``): every trial and the front."""
     trials = []
-    front = {t.number for t in study.best_trials if TrialView(t).feasible}
+    front = {t.number for t in feasible_front(study)}
     for t in study.get_trials(deepcopy=False):
         v = TrialView(t)
-        cap = t.user_attrs.get("capacity")
+        cap = v.capacity_doc
         trials.append(
             {
                 "number": v.number,

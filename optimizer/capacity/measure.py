@@ -33,7 +33,7 @@ import httpx
 from objectives import Slo, summarize
 from objectives.early_stop import EarlyStopper, Observations
 from optimizer.capacity.search import StepOutcome
-from optimizer.errors import ReplayError
+from optimizer.errors import ClientCouldNotKeepUp
 from optimizer.types import RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
@@ -50,10 +50,6 @@ __all__ = [
 
 EARLY_STOP_PREFIX = "SLO out of reach: "
 _DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
-
-
-class ClientCouldNotKeepUp(ReplayError):
-    """The replay client could not keep a step's schedule twice in a row."""
 
 
 def measured_records(records: Sequence[RequestRecord]) -> list[RequestRecord]:
@@ -202,7 +198,6 @@ class StepRunner:
 
             write_records(records, self.records_dir / f"step-{step:02d}.jsonl.gz")
         summary = dict(summarize(records, slos=list(self.slos)))
-        summary["p99_send_lag_ms"] = result.p99_send_lag_ms
         stopped = result.stopped_early and result.stop_reason.startswith(EARLY_STOP_PREFIX)
         margins = {str(slo): _margin(slo, summary) for slo in self.slos}
         reason = result.stop_reason.removeprefix(EARLY_STOP_PREFIX) if stopped else ""

@@ -39,7 +39,7 @@ from optimizer.capacity.measure import (
     step_doc,
 )
 from optimizer.capacity.search import CapacityResult, StepOutcome, search_capacity
-from optimizer.engine import parse_prometheus
+from optimizer.engine.logs import parse_prometheus
 from optimizer.types import RequestRecord, Trace, TrialSpec
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress

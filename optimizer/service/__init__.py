@@ -1,1 +1,15 @@
-"""The tuner service's policy: what a submitter may ask for (:mod:`optimizer.service.security`)."""
+"""The tuner as a service: teams submit job files over HTTP, the service runs their studies.
+
+One room per job (import the module you need; this package imports nothing):
+
+- :mod:`.submissions`: a submission (job file, time window, uploaded trace) parsed from a body;
+- :mod:`.security`: the policy (flag and environment allow-lists, bounded parsing, path roots,
+  the one redaction rule) and :mod:`.auth`: team tokens;
+- :mod:`.settings`: the service's settings and token loading;
+- :mod:`.store`: the job store (SQL), the source of truth for every job's state;
+- :mod:`.scheduler`: first in, first out, a number of studies at once;
+- :mod:`.study_host`: a study's driver, hosted in a detached Ray actor;
+- :mod:`.facade`: everything the API does, without HTTP (submit, show, cancel, export);
+- :mod:`.api`: the HTTP API and its Ray Serve deployment;
+- :mod:`.client`: the commands (``serve``, ``token``) and a thin HTTP client (``submit``, ...).
+"""

@@ -1,8 +1,8 @@
 """What a submitter may ask of the service: engine flags, environment, paths, document shape.
 
 The service runs other people's jobs as its own user, so a job is data, never code. This module
-holds the allow-lists and limits that make it so; :class:`~optimizer.jobs.JobService` applies
-them at submit time and again before an export (a study stored before a rule existed is
+holds the allow-lists and limits that make it so; :class:`~optimizer.service.facade.JobService`
+applies them at submit time and again before an export (a study stored before a rule existed is
 refused, not exported). A local ``tune`` run is its user's own: none of this applies to it.
 
 - **Engine flags**: only flags that change performance, with values of a checked shape
@@ -22,6 +22,9 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
   :func:`is_service_study` recognises one (marked, or laid out as the service lays them out),
   and :func:`check_stored_study` refuses what the service would, so ``vllm-autotune export``
   on the command line applies the same policy to it as the service's own export.
+- **Redaction**: the one rule for secrets: :func:`is_secret` names the environment variables
+  whose values are secrets (never shown by the API, never carried into an export);
+  :func:`redact_job` and :func:`redact_url` mask them and URL passwords in responses.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -50,9 +54,12 @@ __all__ = [
     "check_env",
     "check_space",
     "check_stored_study",
+    "is_secret",
     "is_service_study",
     "mark_service_study",
     "parse_document",
+    "redact_job",
+    "redact_url",
     "under",
 ]
 
@@ -473,3 +480,42 @@ def check_stored_study(
         check_engine_args(engine.get(key) or {}, f"the study's engine.{key}")
     for label, args in trials:
         check_engine_args(args, label)
+
+
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+# --- redaction: what a response or an export may not show -------------------------------------
+
+
+def redact_url(url: str | None) -> str | None:
+    """A database/tracking URL with its password replaced by ``***``."""
+    if not url or "@" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def is_secret(key: str) -> bool:
+    """True for an environment variable whose value is a secret (a token, key or password)."""
+    return any(w in key.upper() for w in _SECRET_WORDS)
+
+
+def redact_job(job: Mapping[str, Any]) -> dict[str, Any]:
+    """A job document fit for an API response: secret env values and URL passwords masked."""
+    doc = json.loads(json.dumps(job, default=str))
+    engine = doc.get("engine") or {}
+    env = engine.get("env") or {}
+    engine["env"] = {k: ("***" if is_secret(k) else v) for k, v in env.items()}
+    if "storage" in doc:
+        doc["storage"] = redact_url(doc["storage"])
+    ml = doc.get("mlflow") or {}
+    if ml.get("tracking_uri"):
+        ml["tracking_uri"] = redact_url(ml["tracking_uri"])
+    return dict(doc)

@@ -12,14 +12,17 @@ prefill from the measurement).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
+from optimizer.errors import ConfigError
 from optimizer.types import TraceRequest
 
-__all__ = ["TokenRange", "build_prompt_ids"]
+__all__ = ["BYTE_TOKENS", "ModelInfo", "TokenRange", "build_prompt_ids", "model_info"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -137,3 +140,63 @@ def build_prompt_ids(
     ids = (hashed % _U64(vocab.size)).astype(np.int64) + vocab.low
     result: list[int] = ids.tolist()
     return result
+
+
+BYTE_TOKENS = 256
+"""Ids below this are single bytes in the project's generated tokenizers; prompts start here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a client needs to know to build prompts for a model folder.
+
+    Attributes:
+        vocab_size: Size of the model's vocabulary.
+        special_ids: Ids of special tokens (never put into prompts).
+        prompt_low: Lowest id prompts draw from.
+        prompt_high: One past the highest id prompts draw from.
+        max_position_embeddings: The model's context length.
+    """
+
+    vocab_size: int
+    special_ids: tuple[int, ...]
+    prompt_low: int
+    prompt_high: int
+    max_position_embeddings: int
+
+
+def model_info(directory: str | Path) -> ModelInfo:
+    """Read what prompt building needs from a model folder's ``config.json``.
+
+    Prompts draw ids above the byte range and below the first special id, so random prompts
+    never contain special tokens. For models not made by :func:`make_model` the same rule applies
+    to the ids that ``config.json`` names.
+
+    Raises:
+        ConfigError: The folder has no readable ``config.json``.
+    """
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{path}: cannot read model config ({exc}); make one with "
+            "`vllm-autotune make-model DIR --preset tiny`"
+        ) from exc
+    vocab = int(cfg.get("text_config", cfg).get("vocab_size", 32000))
+    specials: set[int] = set()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = cfg.get(key)
+        if isinstance(value, int):
+            specials.add(value)
+        elif isinstance(value, list):
+            specials.update(int(v) for v in value)
+    below = [s for s in specials if s > BYTE_TOKENS]
+    high = min(below) if below else vocab
+    return ModelInfo(
+        vocab_size=vocab,
+        special_ids=tuple(sorted(specials)),
+        prompt_low=BYTE_TOKENS,
+        prompt_high=high,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+    )

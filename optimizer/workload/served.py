@@ -4,7 +4,7 @@ A replay against a server it did not start (``replay --url``) must still send to
 served model knows: vLLM rejects a prompt with an id past its vocabulary (HTTP 400, ``Token
 id N is out of vocabulary``), so a wrong guess fails every request. :func:`served_token_range`
 asks the server: ``/v1/models`` names the model's folder (``root``); when that folder is
-readable here, its ``config.json`` gives the range (:func:`~optimizer.modelgen.model_info`,
+readable here, its ``config.json`` gives the range (:func:`~optimizer.workload.prompts.model_info`,
 the rule the tuner uses for servers it starts). Otherwise the largest id the server accepts is
 found by bisection with one-token, one-output-token completions (about 20 tiny requests).
 """
@@ -22,7 +22,7 @@ from optimizer.workload.prompts import TokenRange
 __all__ = ["served_token_range"]
 
 # Ids below 256 are the byte tokens of byte-level tokenizers (and of the project's generated
-# models); prompts start above them, as modelgen.model_info does.
+# models); prompts start above them, as prompts.model_info does.
 _LOW = 256
 _MAX_ID = 1 << 22
 
@@ -79,7 +79,7 @@ def served_token_range(
     Raises:
         ReplayError: The server cannot be asked, or accepts no id at all.
     """
-    from optimizer.modelgen import model_info  # modelgen pulls in heavier imports
+    from optimizer.workload.prompts import model_info
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

@@ -37,8 +37,8 @@ IDLE_SLACK_MIB = 1024
 def _skip_reason() -> str | None:
     if not shutil.which("nvidia-smi"):
         return "no nvidia-smi: not a GPU machine"
+    from optimizer.engine.flags import installed_vllm
     from optimizer.errors import ConfigError
-    from optimizer.vllm_flags import installed_vllm
 
     try:
         install = installed_vllm()
@@ -107,7 +107,7 @@ def idle_gpu_mib() -> list[int]:
 @pytest.fixture(scope="session")
 def llama8b_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama-3.1-8B-shaped folder from make-model: config and tokenizer, no weights."""
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
 
     return make_model(
         tmp_path_factory.mktemp("models") / "llama-3.1-8b", "llama-3.1-8b", max_model_len=8192

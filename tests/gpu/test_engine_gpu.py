@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from optimizer.engine import EngineProcess, group_alive_pids
+from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.types import EngineConfig
 from tests.gpu.conftest import (
     GPU_SERVER_ENV,

@@ -73,7 +73,7 @@ class _ServerWatch(threading.Thread):
                 if (
                     "vllm.entrypoints.openai.api_server" in cmd
                     and self.model in cmd
-                    and "optimizer.engine_guard" not in cmd
+                    and "optimizer.engine.guard" not in cmd
                 ):
                     try:
                         env = p.environ()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.engine import EngineProcess, cpu_engine_env, group_alive_pids
+from optimizer.engine.process import EngineProcess, cpu_engine_env, group_alive_pids
 from optimizer.types import EngineConfig
 
 # Small but real: the same limits the demo job uses, passed explicitly (DESIGN.md §7.5).

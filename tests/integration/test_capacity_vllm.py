@@ -11,8 +11,8 @@ import pytest
 from objectives import parse_slo
 from optimizer.capacity.measure import StepRunner
 from optimizer.capacity.search import CapacitySettings, search_capacity
-from optimizer.engine import EngineProcess
-from optimizer.modelgen import model_info
+from optimizer.engine.models import model_info
+from optimizer.engine.process import EngineProcess
 from optimizer.trial_io import read_records
 from optimizer.workload.formats import read_trace
 from optimizer.workload.prompts import TokenRange

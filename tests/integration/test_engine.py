@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from optimizer.engine import EngineProcess, group_alive_pids, reap_orphans
+from optimizer.engine.process import EngineProcess, group_alive_pids, reap_orphans
 from optimizer.errors import EngineError
 from optimizer.types import EngineConfig, FailureClass
 from tests.integration.conftest import tiny_config
@@ -120,7 +120,7 @@ _OWNER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from optimizer.engine import EngineProcess
+    from optimizer.engine.process import EngineProcess
     from optimizer.types import EngineConfig
     cfg = EngineConfig(**json.loads(sys.argv[1]))
     e = EngineProcess(cfg, log_path=Path(sys.argv[2]))
@@ -170,7 +170,7 @@ def test_guard_killed_too_orphans_are_reaped_on_next_start(
     guards = [
         p
         for p in group_alive_pids(pgid)
-        if "optimizer.engine_guard" in " ".join(psutil.Process(p).cmdline())
+        if "optimizer.engine.guard" in " ".join(psutil.Process(p).cmdline())
     ]
     assert len(guards) == 1
     os.kill(guards[0], signal.SIGKILL)

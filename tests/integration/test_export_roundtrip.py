@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from optimizer.cli import main
-from optimizer.engine import EngineProcess, cpu_engine_env
+from optimizer.engine.process import EngineProcess, cpu_engine_env
 from optimizer.export import select_trial
 from optimizer.types import EngineConfig
 from tests.unit.test_study_loop import FakeRunner, _driver

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from optimizer.engine import EngineProcess, group_alive_pids
-from optimizer.modelgen import model_info
+from optimizer.engine.models import model_info
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayOptions, ReplayResult, ReplaySnapshot, replay
@@ -39,7 +39,7 @@ def _api_server_pid(engine: EngineProcess) -> int:
         except psutil.NoSuchProcess:
             continue
         # The server itself, not the guard that launched it (whose argv also names it).
-        if "optimizer.engine_guard" not in argv and "vllm.entrypoints.openai.api_server" in argv:
+        if "optimizer.engine.guard" not in argv and "vllm.entrypoints.openai.api_server" in argv:
             return pid
     raise AssertionError("no API server process in the engine's process group")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from objectives import parse_slo, summarize
-from optimizer.engine import EngineProcess
-from optimizer.modelgen import model_info
+from optimizer.engine.models import model_info
+from optimizer.engine.process import EngineProcess
 from optimizer.trial import boost_priority
 from optimizer.workload.formats import read_trace
 from optimizer.workload.prompts import TokenRange

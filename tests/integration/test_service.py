@@ -26,7 +26,8 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from optimizer.jobs import ServiceSettings, hash_token
+from optimizer.service.auth import hash_token
+from optimizer.service.settings import ServiceSettings
 from tests.integration.test_study_cpu import job_dict, servers_of
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Process scans look for servers by model path; the session's shared server (another
     module's) serves the session-wide folder and must not count as left behind here.
     """
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
 
     return make_model(tmp_path_factory.mktemp("own-model") / "tiny", "tiny")
 
@@ -76,7 +77,7 @@ class Service:
         self.http = httpx.Client(timeout=60)
 
     def start(self) -> None:
-        from optimizer.api import run_service
+        from optimizer.service.api import run_service
 
         self.url = run_service(self.settings, port=self.port)
 
@@ -317,8 +318,8 @@ def test_studies_run_resume_after_restart_cancel_and_export(
 
 _LISTENER = """
 import sys
-from optimizer.api import run_service
-from optimizer.jobs import ServiceSettings
+from optimizer.service.api import run_service
+from optimizer.service.settings import ServiceSettings
 
 settings = ServiceSettings(database_url=f"sqlite:///{sys.argv[1]}/s.db", data_dir=sys.argv[1])
 url = run_service(settings, host="127.0.0.1", port=int(sys.argv[2]))

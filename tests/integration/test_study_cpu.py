@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Process scans look for servers by model path; the session's shared server (another
     module's) serves the session-wide folder and must not count as left behind here.
     """
-    from optimizer.modelgen import make_model
+    from optimizer.engine.models import make_model
 
     return make_model(tmp_path_factory.mktemp("own-model") / "tiny", "tiny")
 

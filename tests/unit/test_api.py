@@ -12,9 +12,9 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from optimizer.api import create_app, settings_from_args
 from optimizer.errors import ConfigError
-from optimizer.jobs import JobService
+from optimizer.service.api import create_app, settings_from_args
+from optimizer.service.facade import JobService
 from tests.unit.test_jobs import REPO, TRACE, FakeLauncher, job_doc, make_service
 
 AUTH = {"Authorization": "Bearer good-token"}
@@ -28,7 +28,7 @@ def launcher() -> FakeLauncher:
 @pytest.fixture
 def service(tmp_path: Path, launcher: FakeLauncher) -> JobService:
     svc = make_service(tmp_path, launcher, max_upload_bytes=64 * 1024)
-    svc.validator = lambda _rec, _study, _chosen, _base, runs, _policy: (
+    svc.validator = lambda _rec, _study, _choice, runs, _force: (
         f"fake gain, {runs} runs",
         [],
     )
@@ -162,7 +162,7 @@ def test_study_view_trial_cancel_and_export(
     assert r.status_code == 409
     service.scheduler.tick()
     # While its driver starts (and creates the storage), the API does not open the storage.
-    from optimizer.jobs import DriverStatus
+    from optimizer.service.study_host import DriverStatus
 
     launcher.drivers[job_id] = DriverStatus("starting")
     service.scheduler.tick()
@@ -243,7 +243,7 @@ def test_rayservice_manifest_deploys_this_app_with_valid_settings(
     assert svc["apiVersion"].startswith("ray.io/")
     serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
     (app,) = serve_cfg["applications"]
-    assert app["import_path"] == "optimizer.api:build_app"
+    assert app["import_path"] == "optimizer.service.api:build_app"
     assert app["deployments"][0]["name"] == "autotune-api"
     assert app["deployments"][0]["num_replicas"] == 1  # the replica owns the scheduler
     monkeypatch.setenv("VLLM_AUTOTUNE_TOKENS", "t")
@@ -256,7 +256,7 @@ def test_rayservice_manifest_deploys_this_app_with_valid_settings(
 
 
 def test_the_thin_client_round_trip(client: TestClient, service: JobService) -> None:
-    from optimizer.service_cli import ServiceClient
+    from optimizer.service.client import ServiceClient
 
     c = ServiceClient("http://testserver", "good-token", http=client)
     sid = c.submit(job_doc("via-client"))["id"]

@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 from schemathesis import APIOperation, Case, GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from optimizer.api import create_app
-from optimizer.jobs import DriverStatus, JobService
+from optimizer.service.api import create_app
+from optimizer.service.facade import JobService
+from optimizer.service.study_host import DriverStatus
 from tests.unit.test_api import AUTH, fake_study
 from tests.unit.test_jobs import FakeLauncher, job_doc, make_service, submit
 
@@ -65,7 +66,7 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_App]:
     tmp = tmp_path_factory.mktemp("api-fuzz")
     launcher = FakeLauncher()
     service = make_service(tmp, launcher, max_upload_bytes=64 * 1024)
-    service.validator = lambda _rec, _study, _chosen, _base, runs, _policy: (
+    service.validator = lambda _rec, _study, _choice, runs, _force: (
         f"fake, {runs} runs",
         [],
     )

@@ -493,3 +493,47 @@ def test_a_baseline_capacity_of_zero_is_a_win_said_in_values_not_percent() -> No
     text = win.gain_text()
     assert text.startswith("output_throughput 6 (5.9..6.1) vs 0")
     assert "nan" not in text
+
+
+def test_revalidation_asks_for_the_gpus_of_each_configuration(tmp_path: Path) -> None:
+    """A winner with tensor-parallel-size 2 is re-measured on two GPUs, the baseline on one
+    (the re-validation once asked every run for the plan's single GPU)."""
+    import dataclasses
+
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+    from tests.unit.test_study_loop import _job
+
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    plan = dataclasses.replace(plan, context=dataclasses.replace(plan.context, cpu_build=False))
+    study = optuna.create_study(directions=["minimize", "minimize", "maximize"])
+    study.set_metric_names(["p95_ttft_ms", "p95_tpot_ms", "output_throughput"])
+    for number, args in enumerate(
+        ({"max-num-seqs": 256}, {"max-num-seqs": 64, "tensor-parallel-size": 2})
+    ):
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[100.0, 10.0, 50.0 + number],
+                user_attrs={
+                    "engine_args": json.dumps(args),
+                    "status": "complete",
+                    "baseline": number == 0,
+                },
+            )
+        )
+    choice = ex.choose(study, "trial", trial_number=1)
+    asked: list[tuple[int, int]] = []
+
+    def submit(spec: TrialSpec, gpus: int) -> TrialResult:
+        asked.append((int(spec.engine.args.get("tensor-parallel-size", 1)), gpus))
+        summary = {"p95_ttft_ms": 100.0, "p95_tpot_ms": 10.0, "output_throughput": 50.0}
+        return TrialResult(number=spec.number, status=TrialStatus.COMPLETE, summary=summary)
+
+    ex.revalidate(plan, study, choice, submit, workdir=tmp_path / "v", runs=2)
+    assert asked == [(1, 1), (2, 2)] * 2
+    # On the CPU build no run asks for a GPU.
+    cpu_plan = dataclasses.replace(plan, context=dataclasses.replace(plan.context, cpu_build=True))
+    asked.clear()
+    ex.revalidate(cpu_plan, study, choice, submit, workdir=tmp_path / "c", runs=1)
+    assert asked == [(1, 0), (2, 0)]

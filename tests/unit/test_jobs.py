@@ -10,24 +10,15 @@ from typing import Any
 
 import pytest
 
-from optimizer.errors import ConfigError
-from optimizer.jobs import (
-    DriverStatus,
-    JobRecord,
-    JobService,
-    JobStore,
-    Scheduler,
-    ServiceSettings,
-    Submission,
-    SubmissionRefused,
-    hash_token,
-    load_tokens,
-    parse_body,
-    parse_submission,
-    redact_job,
-    redact_url,
-    token_matches,
-)
+from optimizer.errors import ConfigError, SubmissionRefused
+from optimizer.service.auth import hash_token
+from optimizer.service.facade import JobService
+from optimizer.service.scheduler import Scheduler
+from optimizer.service.security import redact_job, redact_url
+from optimizer.service.settings import ServiceSettings, load_tokens, token_matches
+from optimizer.service.store import JobRecord, JobStore
+from optimizer.service.study_host import DriverStatus
+from optimizer.service.submissions import Submission, parse_body, parse_submission
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "examples" / "traces"
@@ -338,7 +329,7 @@ def test_a_refused_upload_leaves_no_file(tmp_path: Path) -> None:
 def test_driver_creation_retries_a_storage_initialized_concurrently() -> None:
     import sqlalchemy as sa
 
-    from optimizer.jobs import _create_driver
+    from optimizer.service.study_host import _create_driver
 
     calls = []
 

@@ -20,8 +20,11 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from optimizer.api import create_app, settings_from_args
-from optimizer.jobs import JobService, JobStore, Scheduler, Submission
+from optimizer.service.api import create_app, settings_from_args
+from optimizer.service.facade import JobService
+from optimizer.service.scheduler import Scheduler
+from optimizer.service.store import JobStore
+from optimizer.service.submissions import Submission
 from tests.unit.test_api import AUTH, fake_study
 from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service
 
@@ -292,7 +295,7 @@ def teams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, 
     svc = JobService(
         settings, store, Scheduler(store, FakeLauncher()), check_plan=lambda _j, _b: None
     )
-    svc.validator = lambda _rec, _study, _chosen, _base, runs, _policy: ("fake", [])
+    svc.validator = lambda _rec, _study, _choice, runs, _force: ("fake", [])
     return TestClient(create_app(svc), raise_server_exceptions=False), svc
 
 
@@ -396,7 +399,7 @@ def test_a_job_stored_before_the_policy_fails_at_its_driver_before_any_server(
     """A job queued (or running, then resumed) before an upgrade is held to the policy when its
     driver starts: it fails naming the flag, and no plan or server is ever made for it."""
     from optimizer import study
-    from optimizer.jobs import StudyHost
+    from optimizer.service.study_host import StudyHost
 
     def started(*_a: Any, **_k: Any) -> None:
         raise AssertionError("a plan was made for a refused job")
@@ -523,7 +526,7 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
     from ray import serve
     from ray._private import ray_constants
 
-    from optimizer import api
+    from optimizer.service import api
 
     seen: dict[str, Any] = {}
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # restored after the test

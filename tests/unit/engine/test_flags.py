@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from optimizer.cli import parse_engine_args
+from optimizer.engine.flags import FlagInfo, normalize_flag, validate_engine_args
 from optimizer.errors import ConfigError, EngineArgError
-from optimizer.vllm_flags import FlagInfo, normalize_flag, validate_engine_args
 
 FAKE_FLAGS = {
     "max-num-seqs": FlagInfo("value"),

@@ -1,4 +1,4 @@
-"""optimizer.engine_guard and the group teardown, with a FAKE server (a sleeping process tree)."""
+"""optimizer.engine.guard and the group teardown, with a FAKE server (a sleeping process tree)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from optimizer.engine import _kill_group_and_wait, group_alive_pids
-from optimizer.engine_guard import process_start_time
+from optimizer.engine.guard import process_start_time
+from optimizer.engine.process import _kill_group_and_wait, group_alive_pids
 
 # A fake "server": a parent that forks a grandchild ignoring SIGTERM (like a stuck EngineCore).
 FAKE_SERVER = (
@@ -26,7 +26,7 @@ def _guard_argv(owner: int, exit_file: Path, server: str = FAKE_SERVER) -> list[
     return [
         sys.executable,
         "-m",
-        "optimizer.engine_guard",
+        "optimizer.engine.guard",
         str(owner),
         process_start_time(owner),
         "1",
@@ -71,8 +71,8 @@ def test_guard_kills_group_when_owner_dies(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import os, subprocess, sys, time\n"
-            "from optimizer.engine_guard import process_start_time\n"
-            f"argv = [sys.executable, '-m', 'optimizer.engine_guard', str(os.getpid()), process_start_time(os.getpid()), '1', {str(tmp_path / 'x')!r}, '--', sys.executable, '-c', {FAKE_SERVER!r}]\n"
+            "from optimizer.engine.guard import process_start_time\n"
+            f"argv = [sys.executable, '-m', 'optimizer.engine.guard', str(os.getpid()), process_start_time(os.getpid()), '1', {str(tmp_path / 'x')!r}, '--', sys.executable, '-c', {FAKE_SERVER!r}]\n"
             "p = subprocess.Popen(argv, start_new_session=True)\n"
             "p.wait()\n"
             "print(p.pid, flush=True)\n"

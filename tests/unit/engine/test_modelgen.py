@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from optimizer.engine.models import PRESETS, make_model, model_info
 from optimizer.errors import ConfigError
-from optimizer.modelgen import PRESETS, make_model, model_info
 
 
 def test_tiny_tokenizer_decodes_every_id_to_non_empty_text(tmp_path: Path) -> None:

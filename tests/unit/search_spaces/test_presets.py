@@ -53,7 +53,6 @@ def test_cpu_small_satisfies_cpu_block_rule() -> None:
 
 def test_latency_speculation_is_conditional() -> None:
     space = load_space("latency")
-    assert space.defaults_for_baseline() == {}
     off = space.suggest(optuna.trial.FixedTrial(_latency_params(method=None)))
     assert "speculative-config" not in off
     on = space.suggest(optuna.trial.FixedTrial(_latency_params(method="ngram")))

@@ -359,11 +359,6 @@ class TestSuggest:
             assert value == round(value, 2)
             assert 0.8 <= value <= 0.95
 
-    def test_baseline_is_fixed_only(self) -> None:
-        space = load_space(SPEC)
-        # The fixed nested key alone must not switch speculation on.
-        assert space.defaults_for_baseline() == {"max-num-seqs": 64}
-
     def test_fixed_dict_merges_with_dotted_keys(self) -> None:
         space = load_space(
             {
@@ -386,9 +381,6 @@ class TestSuggest:
                 "prompt_lookup_max": 4,
                 "num_speculative_tokens": 2,
             }
-        }
-        assert space.defaults_for_baseline() == {
-            "speculative-config": {"method": "ngram", "prompt_lookup_max": 4}
         }
 
 

@@ -1,9 +1,10 @@
 """The HTTP API of the tuner service, and its Ray Serve deployment (thin wiring).
 
-:func:`create_app` maps HTTP onto a :class:`~optimizer.jobs.JobService` (FastAPI; the OpenAPI
-document is at ``/openapi.json``); :func:`build_app` wraps it in a Ray Serve deployment whose
-single replica also runs the :class:`~optimizer.jobs.Scheduler` thread, and :func:`run_service`
-starts it on a cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
+:func:`create_app` maps HTTP onto a :class:`~optimizer.service.facade.JobService`
+(FastAPI; the OpenAPI document is at ``/openapi.json``); :func:`build_app` wraps it in a Ray
+Serve deployment whose single replica also runs the
+:class:`~optimizer.service.scheduler.Scheduler` thread, and :func:`run_service` starts it on a
+cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
 the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
 (413 above it). Errors map to statuses in one place: an invalid job is 422 with the job file
 loader's message (the key's path and the fix), a file outside the allowed roots 403, an unknown
@@ -23,20 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import UploadFile
 
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, NotFound, SubmissionRefused
 from optimizer.export import FORMATS, POLICIES
-from optimizer.jobs import (
-    JobService,
-    JobStore,
-    NotFound,
-    RayDriverLauncher,
-    Scheduler,
-    ServiceSettings,
-    Submission,
-    SubmissionRefused,
-    parse_body,
-    parse_submission,
-)
 from optimizer.service.auth import (
     Principal,
     TokenEntry,
@@ -44,6 +33,12 @@ from optimizer.service.auth import (
     parse_token_env,
     read_token_file,
 )
+from optimizer.service.facade import JobService
+from optimizer.service.scheduler import Scheduler
+from optimizer.service.settings import ServiceSettings
+from optimizer.service.store import JobStore
+from optimizer.service.study_host import RayDriverLauncher
+from optimizer.service.submissions import Submission, parse_body, parse_submission
 
 __all__ = [
     "APP_NAME",
@@ -87,6 +82,107 @@ def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=body)
 
 
+#: OpenAPI description of a submission body (JSON, YAML or multipart).
+_SUBMISSION_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": (
+            "A job (the job file's schema), or an envelope {job, not_before, until, "
+            "trace_upload: {filename, content_b64}}; JSON or YAML. Multipart: a `job` part "
+            "(JSON or YAML, either shape), an optional `trace` file part, optional "
+            "`not_before` / `until` fields."
+        ),
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "application/yaml": {"schema": {"type": "string"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "job": {"type": "string"},
+                        "trace": {"type": "string", "format": "binary"},
+                        "not_before": {"type": "string", "format": "date-time"},
+                        "until": {"type": "string", "format": "date-time"},
+                    },
+                    "required": ["job"],
+                }
+            },
+        },
+    }
+}
+
+
+def _map_errors(app: FastAPI, limit: int) -> None:
+    """Errors to statuses, in one place: 422 invalid, 404 unknown, the refusal's own, 413."""
+
+    @app.exception_handler(ConfigError)
+    async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
+        return _error(422, str(exc))
+
+    @app.exception_handler(NotFound)
+    async def _missing(_r: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(SubmissionRefused)
+    async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.exception_handler(_TooLarge)
+    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
+        return _error(413, f"the request is larger than {limit} bytes")
+
+
+async def _read_submission(
+    request: Request, limit: int
+) -> tuple[Submission, tuple[str, bytes] | None]:
+    """A submission and its uploaded trace (file name, bytes) from a JSON, YAML or multipart
+    body of at most ``limit`` bytes."""
+    body = await _read_body(request, limit)
+    ctype = request.headers.get("content-type", "")
+    upload: tuple[str, bytes] | None = None
+    if ctype.startswith("multipart/form-data"):
+        request._body = body  # the form parser reads the buffered, size-checked body
+        form = await request.form(max_part_size=limit)
+        part = form.get("job")
+        if part is None:
+            raise ConfigError("multipart submission: the `job` part is missing")
+        if isinstance(part, UploadFile):
+            raw, part_type = await part.read(), part.content_type or ""
+        else:
+            raw, part_type = part.encode(), ""
+        sub = parse_submission(parse_body(raw, part_type))
+        window: dict[str, Any] = {}
+        for key in ("not_before", "until"):
+            value = form.get(key)
+            if isinstance(value, str) and value:
+                try:
+                    window[key] = datetime.fromisoformat(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
+        if window:
+            sub = sub.model_copy(update=window)
+        trace = form.get("trace")
+        if isinstance(trace, UploadFile):
+            upload = (trace.filename or "trace", await trace.read())
+    else:
+        sub = parse_submission(parse_body(body, ctype))
+    return sub, upload
+
+
+def _weights(items: list[str]) -> dict[str, float]:
+    """``OBJECTIVE=NUMBER`` query values as weights."""
+    weights: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
+    return weights
+
+
 def create_app(service: JobService) -> FastAPI:
     """The FastAPI application over ``service``.
 
@@ -120,21 +216,7 @@ def create_app(service: JobService) -> FastAPI:
     authed = [Depends(auth)]
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
-    @app.exception_handler(ConfigError)
-    async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
-        return _error(422, str(exc))
-
-    @app.exception_handler(NotFound)
-    async def _missing(_r: Request, exc: NotFound) -> JSONResponse:
-        return _error(404, str(exc))
-
-    @app.exception_handler(SubmissionRefused)
-    async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
-        return _error(exc.status, str(exc))
-
-    @app.exception_handler(_TooLarge)
-    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
-        return _error(413, f"the request is larger than {settings.max_upload_bytes} bytes")
+    _map_errors(app, settings.max_upload_bytes)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, Any]:
@@ -145,72 +227,16 @@ def create_app(service: JobService) -> FastAPI:
     def openapi() -> dict[str, Any]:
         return app.openapi()
 
-    body_doc = {
-        "requestBody": {
-            "required": True,
-            "description": (
-                "A job (the job file's schema), or an envelope {job, not_before, until, "
-                "trace_upload: {filename, content_b64}}; JSON or YAML. Multipart: a `job` part "
-                "(JSON or YAML, either shape), an optional `trace` file part, optional "
-                "`not_before` / `until` fields."
-            ),
-            "content": {
-                "application/json": {"schema": {"type": "object"}},
-                "application/yaml": {"schema": {"type": "string"}},
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "job": {"type": "string"},
-                            "trace": {"type": "string", "format": "binary"},
-                            "not_before": {"type": "string", "format": "date-time"},
-                            "until": {"type": "string", "format": "date-time"},
-                        },
-                        "required": ["job"],
-                    }
-                },
-            },
-        }
-    }
-
     @app.post(
         "/v1/studies",
         dependencies=authed,
         status_code=201,
         tags=["studies"],
-        openapi_extra=body_doc,
+        openapi_extra=_SUBMISSION_BODY,
     )
     async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
-        body = await _read_body(request, settings.max_upload_bytes)
-        ctype = request.headers.get("content-type", "")
-        upload: tuple[str, bytes] | None = None
-        if ctype.startswith("multipart/form-data"):
-            request._body = body  # the form parser reads the buffered, size-checked body
-            form = await request.form(max_part_size=settings.max_upload_bytes)
-            part = form.get("job")
-            if part is None:
-                raise ConfigError("multipart submission: the `job` part is missing")
-            if isinstance(part, UploadFile):
-                raw, part_type = await part.read(), part.content_type or ""
-            else:
-                raw, part_type = part.encode(), ""
-            sub = parse_submission(parse_body(raw, part_type))
-            window: dict[str, Any] = {}
-            for key in ("not_before", "until"):
-                value = form.get(key)
-                if isinstance(value, str) and value:
-                    try:
-                        window[key] = datetime.fromisoformat(value)
-                    except ValueError as exc:
-                        raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
-            if window:
-                sub = sub.model_copy(update=window)
-            trace = form.get("trace")
-            if isinstance(trace, UploadFile):
-                upload = (trace.filename or "trace", await trace.read())
-        else:
-            sub = parse_submission(parse_body(body, ctype))
+        sub, upload = await _read_submission(request, settings.max_upload_bytes)
         rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
         return {**service.summary(rec), "notes": notes}
 
@@ -250,21 +276,12 @@ def create_app(service: JobService) -> FastAPI:
         who: Principal = caller,
     ) -> Response:
         """The chosen configuration as a download (re-validation only with validate=true)."""
-        weights: dict[str, float] = {}
-        for item in weight or []:
-            key, sep, value = item.partition("=")
-            try:
-                weights[key] = float(value)
-            except ValueError:
-                sep = ""
-            if not sep:
-                raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
         result = service.export(
             study_id,
             format,
             policy,
             trial=trial,
-            weights=weights,
+            weights=_weights(weight or []),
             validate=validate,
             runs=runs,
             force=force,
@@ -386,40 +403,12 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
 
 
 def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
-    """The Serve application (``import_path: optimizer.api:build_app`` in a Serve config).
-
-    One replica: it owns the scheduler. It asks for no CPU, so it never holds one a trial needs.
-    """
-    from ray import serve
+    """The Serve application (``import_path: optimizer.service.api:build_app`` in a Serve
+    config). One replica: it owns the scheduler."""
+    from optimizer.runners import serve_deployment
 
     settings = args if isinstance(args, ServiceSettings) else settings_from_args(args)
-    ingress = serve.ingress()(_Ingress)
-    deployment = serve.deployment(
-        name="autotune-api",
-        num_replicas=1,
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=64,
-        health_check_period_s=10,
-    )(ingress)
-    return deployment.bind(settings)
-
-
-_LOOPBACK = ("127.0.0.1", "::1")
-#: Ray's switch for multi-node clusters (on by default on Linux). Off, Ray's node address is
-#: the loopback one and its servers (GCS, raylet, object manager, workers, agents) listen on
-#: it only; on, Ray replaces a loopback ``_node_ip_address`` by the machine's address and its
-#: gRPC servers listen on every interface.
-_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _single_node_ray() -> None:
-    """Make the local Ray about to start a loopback-only, single-node one (Ray's own mode on
-    macOS and Windows): for its processes through the environment, and for this one, which
-    has read the setting already."""
-    from ray._private import ray_constants
-
-    os.environ[_RAY_CLUSTER_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    return serve_deployment(_Ingress, "autotune-api", settings)
 
 
 def run_service(
@@ -430,22 +419,10 @@ def run_service(
     ray_address: str | None = None,
 ) -> str:
     """Deploy the service on a Ray cluster (a local one without ``ray_address``); its URL."""
-    import ray
-    from ray import serve
+    from optimizer.runners import serve_run, start_ray
 
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
-        if ray_address:
-            ray.init(address=ray_address, **kwargs)
-        else:
-            # A local cluster on the operator's address (deploy/SERVICE.md, "Limits").
-            if host not in ("0.0.0.0", "::"):
-                node_ip = "127.0.0.1" if host == "localhost" else host
-                kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
-                if node_ip in _LOOPBACK:
-                    _single_node_ray()
-            ray.init(object_store_memory=256 * 1024**2, **kwargs)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+    # A local cluster listens on the operator's address (deploy/SERVICE.md, "Limits").
+    start_ray(ray_address, host=host)
+    serve_run(build_app(settings), name=APP_NAME, host=host, port=port)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"

@@ -1,8 +1,8 @@
 """Command-line side of the tuner service: ``serve`` starts it, a thin HTTP client talks to it.
 
-``serve`` deploys the Ray Serve application of :mod:`optimizer.api` on a Ray cluster (a local
-one unless ``--ray-address``). ``submit``, ``status``, ``cancel`` and ``fetch-export`` call its
-API with the bearer token from ``$VLLM_AUTOTUNE_TOKEN`` or ``--token-file``; the server URL
+``serve`` deploys the Ray Serve application of :mod:`optimizer.service.api` on a Ray cluster (a
+local one unless ``--ray-address``). ``submit``, ``status``, ``cancel`` and ``fetch-export``
+call its API with the bearer token from ``$VLLM_AUTOTUNE_TOKEN`` or ``--token-file``; the server URL
 comes from ``--server`` or ``$VLLM_AUTOTUNE_SERVER``. :func:`register` adds the commands to the
 main parser.
 """
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -145,7 +144,7 @@ def _client(ns: argparse.Namespace, timeout_s: float = 60.0) -> ServiceClient:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Deploy the service and keep it up until interrupted (unless --detach)."""
-    from optimizer.api import run_service, settings_from_args
+    from optimizer.service.api import run_service, settings_from_args
 
     settings = settings_from_args(
         {
@@ -178,9 +177,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
+        from optimizer.runners import serve_shutdown
 
-        serve.shutdown()  # type: ignore[no-untyped-call]
+        serve_shutdown()
     return 0
 
 
@@ -199,16 +198,10 @@ def cmd_token(ns: argparse.Namespace) -> int:
 
 
 def _job_from_file(path: str) -> tuple[dict[str, Any], Path]:
+    from optimizer.config import read_job_document
+
     file = Path(path)
-    try:
-        doc = yaml.safe_load(file.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{file}: cannot read job file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{file}: a job file is a YAML mapping (name, model, trace, ...)")
-    return doc, file.parent
+    return read_job_document(file), file.parent
 
 
 def cmd_submit(ns: argparse.Namespace) -> int:
@@ -339,8 +332,12 @@ def register(sub: Any) -> None:
     Args:
         sub: The main parser's subparsers (``parser.add_subparsers()``).
     """
-    from optimizer.export import FORMATS, POLICIES
+    _add_serve(sub)
+    _add_client_commands(sub)
 
+
+def _add_serve(sub: Any) -> None:
+    """``serve``: the service's options (cluster, address, roots, limits, tokens)."""
     p = sub.add_parser("serve", help="run the tuner as an HTTP service on Ray Serve")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: all)")
@@ -393,6 +390,11 @@ def register(sub: Any) -> None:
         "--detach", action="store_true", help="return once deployed (with --ray-address)"
     )
     p.set_defaults(func=cmd_serve)
+
+
+def _add_client_commands(sub: Any) -> None:
+    """``token``, and the thin client's ``submit``, ``status``, ``cancel``, ``fetch-export``."""
+    from optimizer.export import FORMATS, POLICIES
 
     p = sub.add_parser("token", help="make an API token for a team and its token-file line")
     p.add_argument("--team", required=True)

@@ -13,11 +13,11 @@ generated token, which is what TTFT and ITL measurements need.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from optimizer.errors import ConfigError
+from optimizer.workload.prompts import BYTE_TOKENS, ModelInfo, model_info
 
 __all__ = ["PRESETS", "ModelInfo", "make_model", "model_info"]
 
@@ -130,26 +130,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-_BYTE_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What a client needs to know to build prompts for a model folder.
-
-    Attributes:
-        vocab_size: Size of the model's vocabulary.
-        special_ids: Ids of special tokens (never put into prompts).
-        prompt_low: Lowest id prompts draw from.
-        prompt_high: One past the highest id prompts draw from.
-        max_position_embeddings: The model's context length.
-    """
-
-    vocab_size: int
-    special_ids: tuple[int, ...]
-    prompt_low: int
-    prompt_high: int
-    max_position_embeddings: int
+_BYTE_TOKENS = BYTE_TOKENS
 
 
 def _word(token_id: int) -> str:
@@ -253,40 +234,3 @@ def make_model(
         json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
     )
     return out
-
-
-def model_info(directory: str | Path) -> ModelInfo:
-    """Read what prompt building needs from a model folder's ``config.json``.
-
-    Prompts draw ids above the byte range and below the first special id, so random prompts
-    never contain special tokens. For models not made by :func:`make_model` the same rule applies
-    to the ids that ``config.json`` names.
-
-    Raises:
-        ConfigError: The folder has no readable ``config.json``.
-    """
-    path = Path(directory) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"{path}: cannot read model config ({exc}); make one with "
-            "`vllm-autotune make-model DIR --preset tiny`"
-        ) from exc
-    vocab = int(cfg.get("text_config", cfg).get("vocab_size", 32000))
-    specials: set[int] = set()
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = cfg.get(key)
-        if isinstance(value, int):
-            specials.add(value)
-        elif isinstance(value, list):
-            specials.update(int(v) for v in value)
-    below = [s for s in specials if s > _BYTE_TOKENS]
-    high = min(below) if below else vocab
-    return ModelInfo(
-        vocab_size=vocab,
-        special_ids=tuple(sorted(specials)),
-        prompt_low=_BYTE_TOKENS,
-        prompt_high=high,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-    )

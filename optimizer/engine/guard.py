@@ -10,7 +10,7 @@ run), the guard terminates the whole group: first SIGTERM, then SIGKILL. vLLM's 
 and workers inherit the group, so nothing is left holding memory (vllm#55510). Stdlib only, so
 it starts in milliseconds.
 
-Usage: ``python -m optimizer.engine_guard OWNER_PID OWNER_START GRACE_S EXIT_FILE -- COMMAND...``
+Usage: ``python -m optimizer.engine.guard OWNER_PID OWNER_START GRACE_S EXIT_FILE -- COMMAND...``
 where OWNER_START is the owner's start time (field 22 of /proc/PID/stat), so a recycled pid is
 never mistaken for the owner.
 """

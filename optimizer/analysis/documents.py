@@ -1,0 +1,234 @@
+"""report.md: a study in Markdown (baseline vs the front, what winners changed, capacity,
+importances, a diagnosis per trial class, the trace)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.analysis.diagnosis import diagnose
+from optimizer.analysis.front import trial_class
+from optimizer.trial_view import TrialView, baseline_of, metric_names
+
+__all__ = ["capacity_section", "report_md"]
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
+    """report.md's capacity section (capacity studies only): the answer and every trial."""
+    from optimizer.analysis.capacity import answer_for_plan
+
+    answer = answer_for_plan(study, plan)
+    if answer is None:
+        return []
+    lines = ["", "## Capacity at SLO", ""]
+    lines += [f"- {line}" for line in answer.lines()]
+    lines += [
+        "",
+        "| trial | capacity req/s | output tok/s | rate scale | bracket | steps | broke first |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in answer.trials:
+        label = f"{c.number} (baseline)" if answer.baseline and c is answer.baseline else c.number
+        lines.append(
+            f"| {label} | {c.rps:.3g} | {c.output_tps:.4g} | {c.scale:.3g} | {c.bracket} | "
+            f"{c.steps} | {c.broke_first or '-'} |"
+        )
+    return lines
+
+
+def report_md(
+    study: optuna.Study,
+    doc: list[dict[str, Any]],
+    front: set[int],
+    hv: dict[int, float],
+    importances: dict[str, Any],
+    plan: dict[str, Any],
+    trace: dict[str, Any],
+) -> str:
+    """report.md: the study's facts, baseline vs the front, capacity, what the winners changed,
+    parameter importances, a diagnosis per trial class, and the trace.
+
+    Args:
+        study: The study.
+        doc: :func:`~optimizer.analysis.front.front_doc`.
+        front: Numbers of the front's trials.
+        hv: :func:`~optimizer.analysis.hypervolume.hypervolume_history`.
+        importances: :func:`~optimizer.analysis.front.importances`.
+        plan: The study folder's plan.json ({} when missing).
+        trace: review/trace.json: the trace's statistics and shaping notes ({} when missing).
+    """
+    trials = study.get_trials(deepcopy=False)
+    over = [t for t in trials if t.state not in (TrialState.RUNNING, TrialState.WAITING)]
+    base = baseline_of(study)
+    base_args = TrialView(base).engine_args if base else {}
+    stats = trace.get("stats") if isinstance(trace.get("stats"), dict) else None
+    lines = [f"# Study `{study.study_name}`", ""]
+    lines += _facts(study, plan, over, front, hv)
+    lines += _front_table(study, doc)
+    lines += capacity_section(study, plan)
+    lines += _winners(doc, base_args)
+    lines += _importance_lines(importances)
+    lines += _diagnoses(over, base, front, stats)
+    lines += _trace_lines(trace.get("notes") or [], stats)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _facts(
+    study: optuna.Study,
+    plan: dict[str, Any],
+    over: list[FrozenTrial],
+    front: set[int],
+    hv: dict[int, float],
+) -> list[str]:
+    lines = []
+    if plan:
+        lines += [
+            f"- vLLM: {plan.get('vllm') or '-'}",
+            f"- trace: `{Path(str(plan.get('trace', '-'))).name}`, "
+            f"{plan.get('requests', '-')} requests after shaping",
+            f"- objectives: {', '.join(plan.get('objectives', []))}",
+            f"- SLOs: {', '.join(plan.get('slos', [])) or 'none'}",
+        ]
+    counts = Counter(TrialView(t).status for t in over)
+    lines += [
+        f"- trials: {len(study.get_trials(deepcopy=False))} ("
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        + f"), Pareto front (feasible): {len(front)}",
+    ]
+    if hv:
+        last = max(hv.items(), key=lambda kv: kv[0])
+        lines.append(
+            f"- hypervolume {last[1]:.3f} after trial {last[0]} (baseline alone = 1.000; "
+            "objectives normalized by the baseline, reference 2x baseline latency / 0 throughput)"
+        )
+    return lines
+
+
+def _front_table(study: optuna.Study, doc: list[dict[str, Any]]) -> list[str]:
+    names = metric_names(study)
+    arrows = ["↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑" for d in study.directions]
+    lines = ["", "## Baseline vs the Pareto front", ""]
+    header = ["trial", *(f"{n} {a}" for n, a in zip(names, arrows, strict=True)), "SLOs"]
+    lines += ["| " + " | ".join(header) + " | changed vs baseline |"]
+    lines += ["|" + "---|" * (len(header) + 1)]
+    for r in doc:
+        cells = []
+        for n in names:
+            v, g = r["values"].get(n), r["gain_pct"].get(n)
+            text = _fmt(v)
+            if not r["baseline"] and g is not None:
+                text += f" ({g:+.1f}%)"
+            cells.append(text)
+        label = f"{r['trial']} (baseline)" if r["baseline"] else str(r["trial"])
+        changed = (
+            "vLLM defaults"
+            if r["baseline"]
+            else ", ".join(f"`{k}={v}`" for k, v in sorted(r["changed"].items())) or "-"
+        )
+        slo = "met" if r["feasible"] else "missed"
+        lines.append("| " + " | ".join([label, *cells, slo, changed]) + " |")
+    if not any(not r["baseline"] for r in doc):
+        lines += ["", "No feasible configuration beyond the baseline yet."]
+    return lines
+
+
+def _winners(doc: list[dict[str, Any]], base_args: dict[str, Any]) -> list[str]:
+    winners = [r for r in doc if not r["baseline"]]
+    if not winners:
+        return []
+    lines = ["", "## What the winners changed", ""]
+    for r in winners:
+        diffs = [
+            f"`{k}`: {base_args.get(k, '(default)')} → {v}" for k, v in sorted(r["changed"].items())
+        ]
+        gains = ", ".join(f"{n} {g:+.1f}%" for n, g in r["gain_pct"].items() if g is not None)
+        lines.append(
+            f"- trial {r['trial']} ({gains or 'no baseline to compare'}): "
+            + ("; ".join(diffs) or "same arguments as the baseline")
+        )
+    flags = Counter(k for r in winners for k in r["changed"])
+    common = [k for k, c in flags.items() if c == len(winners)]
+    if len(winners) > 1 and common:
+        lines.append(f"- every front configuration changes: {', '.join(f'`{k}`' for k in common)}")
+    return lines
+
+
+def _importance_lines(importances: dict[str, Any]) -> list[str]:
+    good = {k: v for k, v in importances.items() if isinstance(v, dict) and "error" not in v}
+    if not good:
+        return []
+    lines = ["", "## Parameter importances (Optuna's default evaluator, feasible trials)", ""]
+    for metric, imp in good.items():
+        top = sorted(imp.items(), key=lambda kv: -kv[1])[:5]
+        lines.append(f"- {metric}: " + ", ".join(f"`{p}` {v:.2f}" for p, v in top))
+    return lines
+
+
+_CLASS_TITLES = {
+    "pareto": "Pareto front",
+    "dominated": "Feasible, dominated",
+    "slo_missed": "Measured, SLO missed",
+    "failed": "Engine failed",
+    "rejected": "Rejected before start",
+    "invalid_replay": "Invalid replay (not scored)",
+    "driver_died": "Lost with a dead driver",
+}
+
+
+def _diagnoses(
+    over: list[FrozenTrial],
+    base: FrozenTrial | None,
+    front: set[int],
+    stats: dict[str, Any] | None,
+) -> list[str]:
+    lines = ["", "## Diagnosis by trial class", ""]
+    if base is not None:
+        lines += ["### Baseline", ""]
+        lines += [f"- trial {base.number}: " + " ".join(diagnose(base, stats)), ""]
+    for cls, title in _CLASS_TITLES.items():
+        members = [t for t in over if not TrialView(t).is_baseline and trial_class(t, front) == cls]
+        if not members:
+            continue
+        lines += [f"### {title} ({len(members)})", ""]
+        lines += [f"- trial {t.number}: " + " ".join(diagnose(t, stats)) for t in members]
+        lines.append("")
+    return lines
+
+
+_TRACE_KEYS = (
+    "requests",
+    "duration_s",
+    "mean_rate_rps",
+    "peak_rate_rps",
+    "burstiness_cv",
+    "mean_input_tokens",
+    "mean_output_tokens",
+    "prefix_reuse_ratio",
+)
+
+
+def _trace_lines(notes: list[str], stats: dict[str, Any] | None) -> list[str]:
+    if not (notes or stats):
+        return []
+    lines = ["## Trace", ""]
+    lines += [f"- {n}" for n in notes]
+    if stats:
+        lines += [
+            f"- {k}: {stats[k]:.3g}"
+            if isinstance(stats.get(k), float)
+            else f"- {k}: {stats.get(k)}"
+            for k in _TRACE_KEYS
+            if k in stats
+        ]
+    return lines

@@ -1,0 +1,97 @@
+"""One rule for the defaults a local server needs, shared by the CLI and study preparation.
+
+- A local model folder without weight files (``*.safetensors``, ``*.bin``, ``*.pt``) is served
+  with ``load-format: dummy`` (random weights); a folder with weights, or a hub name, is not.
+- The CPU build sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB), which overrides
+  ``kv-cache-memory-bytes``: it is set unless the arguments size the cache in bytes or the
+  environment already has it.
+- Prompt token ids come from the model folder's vocabulary, else a range every tokenizer has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optimizer.engine.flags import normalize_flag
+
+__all__ = ["EngineDefaults", "apply_engine_defaults", "has_weights", "prompt_token_range"]
+
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")
+_HUB_TOKEN_RANGE = (1000, 30000)
+
+
+def has_weights(model: str) -> bool:
+    """False only for a local folder without weight files; a hub name has real weights."""
+    path = Path(model)
+    if not path.is_dir():
+        return True
+    return any(any(path.glob(pattern)) for pattern in _WEIGHT_GLOBS)
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """Engine arguments and environment with the defaults applied, and what was applied.
+
+    Attributes:
+        args: Engine arguments (flag names).
+        env: Server environment.
+        notes: One line per default applied.
+    """
+
+    args: dict[str, Any]
+    env: dict[str, str]
+    notes: tuple[str, ...]
+
+
+def apply_engine_defaults(
+    model: str,
+    args: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    *,
+    cpu_build: bool,
+    kv_cache_gib: int | None = None,
+) -> EngineDefaults:
+    """``args`` and ``env`` with the defaults of the module docstring.
+
+    Args:
+        model: Model folder or hub name.
+        args: Engine arguments as given.
+        env: Server environment as given.
+        cpu_build: The vLLM that serves is the CPU build.
+        kv_cache_gib: CPU build: KV cache GiB (default 2).
+    """
+    out_args = dict(args)
+    out_env = dict(env or {})
+    notes = []
+    flags = {normalize_flag(k) for k in out_args}
+    if "load-format" not in flags and not has_weights(model):
+        out_args["load-format"] = "dummy"
+        notes.append(
+            "no weight files in the model folder: using load-format=dummy (random weights)"
+        )
+    if cpu_build and "kv-cache-memory-bytes" in flags:
+        notes.append("CPU build: KV cache from kv-cache-memory-bytes")
+    elif cpu_build and KV_CACHE_ENV not in out_env:
+        gib = max(1, int(kv_cache_gib or 2))
+        out_env[KV_CACHE_ENV] = str(gib)
+        notes.append(f"CPU build: {KV_CACHE_ENV}={gib} GiB")
+    return EngineDefaults(args=out_args, env=out_env, notes=tuple(notes))
+
+
+def prompt_token_range(model: str | None, explicit: Sequence[int] | None = None) -> tuple[int, int]:
+    """Token ids prompts draw from: ``explicit``, else the model folder's, else a safe range.
+
+    ``model`` None: a server started elsewhere (its vocabulary is unknown here).
+    """
+    if explicit:
+        return int(explicit[0]), int(explicit[1])
+    if model and Path(model).is_dir():
+        from optimizer.engine.models import model_info
+
+        info = model_info(model)
+        return info.prompt_low, info.prompt_high
+    return _HUB_TOKEN_RANGE

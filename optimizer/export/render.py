@@ -1,0 +1,381 @@
+"""Render a configuration for a deployment target, with a header that says where it came from.
+
+``vllm-config`` (YAML for ``vllm serve --config``, kebab-case keys, DESIGN.md §7.4),
+``vllm-cli``, ``kubernetes`` (Deployment + Service), ``helm`` (values of vLLM's
+production-stack chart, checked against its values contract) or ``ray-serve`` (a Serve config
+for ``ray.serve.llm``). Every file opens with a header: study, trial, vLLM version and hardware,
+trace, measured gain.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from optimizer.errors import ConfigError
+
+__all__ = [
+    "FORMATS",
+    "ExportContext",
+    "default_filename",
+    "helm_schema_problems",
+    "render",
+    "trace_label",
+    "write_export",
+]
+
+FORMATS = ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve")
+
+# The values contract of vLLM's production-stack chart for the keys the helm exporter writes.
+HELM_SCHEMA = Path(__file__).parent.parent / "schemas" / "production-stack-values.schema.json"
+
+# Flags that describe where a server runs, not how it serves: never exported.
+_LOCAL_ONLY = frozenset({"load-format", "host", "port", "kv-cache-memory-bytes"})
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What every export says about where its numbers come from.
+
+    Attributes:
+        study: Study name.
+        trial: Trial number.
+        model: Model path or name.
+        args: Engine arguments to deploy (flag names).
+        vllm: vLLM distribution and version tuned on.
+        hardware: GPU (or CPU) it was tuned on.
+        trace: The trace and shaping.
+        gain: One line: the measured gain and its range.
+        gpus: GPUs one server needs.
+        env: Environment to carry into the deployment (secrets excluded).
+        capacity: Capacity studies: how much of the trace this configuration carried within
+            the SLOs, beside the baseline (``CapacityAnswer.export_line``).
+    """
+
+    study: str
+    trial: int
+    model: str
+    args: dict[str, Any]
+    vllm: str
+    hardware: str
+    trace: str
+    gain: str
+    gpus: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    capacity: str = ""
+
+    def header(self, comment: str = "#") -> str:
+        lines = [
+            f"Exported by vllm-autotune from study '{self.study}', trial {self.trial}.",
+            f"Tuned on: {self.vllm}; hardware: {self.hardware}.",
+            f"Trace: {self.trace}",
+            f"Measured: {self.gain}",
+        ]
+        if self.capacity:
+            lines.append(f"Capacity at SLO: {self.capacity}")
+        return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
+
+    def deploy_args(self) -> dict[str, Any]:
+        return {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
+
+
+def _cli_words(args: Mapping[str, Any]) -> list[str]:
+    words: list[str] = []
+    for name, value in args.items():
+        if value is True:
+            words.append(f"--{name}")
+        elif value is False:
+            words.append(f"--no-{name}")
+        elif isinstance(value, dict):
+            words += [f"--{name}", json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, list | tuple):
+            words += [f"--{name}", *(str(v) for v in value)]
+        else:
+            words += [f"--{name}", str(value)]
+    return words
+
+
+def _vllm_config(ctx: ExportContext) -> str:
+    # kebab-case keys: `vllm serve --config` drops a snake_case `false` (DESIGN.md §7.4).
+    body = {"model": ctx.model, **ctx.deploy_args()}
+    return ctx.header() + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
+
+
+def _vllm_cli(ctx: ExportContext) -> str:
+    words = ["vllm", "serve", ctx.model, *_cli_words(ctx.deploy_args())]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in ctx.env.items())
+    return ctx.header() + (env + " " if env else "") + shlex.join(words) + "\n"
+
+
+def _name(ctx: ExportContext) -> str:
+    """A DNS-1123 label from the study name (Kubernetes object and Helm model names)."""
+    text = "".join(c if c.isascii() and c.isalnum() else "-" for c in f"vllm-{ctx.study}".lower())
+    return re.sub(r"-+", "-", text)[:50].strip("-")
+
+
+def _kubernetes(ctx: ExportContext) -> str:
+    name = _name(ctx)
+    resources = {"limits": {"nvidia.com/gpu": ctx.gpus}, "requests": {"nvidia.com/gpu": ctx.gpus}}
+    container = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:latest",
+        "args": ["--model", ctx.model, *_cli_words(ctx.deploy_args())],
+        "ports": [{"containerPort": 8000, "name": "http"}],
+        "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
+        "resources": resources,
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": 8000},
+            "initialDelaySeconds": 60,
+            "periodSeconds": 10,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": 8000},
+            "initialDelaySeconds": 600,
+            "periodSeconds": 30,
+        },
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name},
+        "spec": {"selector": {"app": name}, "ports": [{"port": 8000, "targetPort": "http"}]},
+    }
+    return ctx.header() + yaml.safe_dump_all([deployment, service], sort_keys=False)
+
+
+# Fields of the production-stack chart's servingEngineSpec.modelSpec[].vllmConfig, with the
+# type the chart's values schema gives them.
+_HELM_KNOWN: dict[str, tuple[str, type]] = {
+    "max-model-len": ("maxModelLen", int),
+    "tensor-parallel-size": ("tensorParallelSize", int),
+    "gpu-memory-utilization": ("gpuMemoryUtilization", float),
+    "dtype": ("dtype", str),
+    "enable-chunked-prefill": ("enableChunkedPrefill", bool),
+    "enable-prefix-caching": ("enablePrefixCaching", bool),
+    "max-num-seqs": ("maxNumSeqs", int),
+}
+
+
+def _helm_typed(value: Any, kind: type) -> Any:
+    """``value`` converted to the chart field's type, or None when it is not one (``8k``,
+    ``nan``, a bool for a number). Ranges are the contract's: see :func:`_helm_field_holds`."""
+    if kind is bool:
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return None
+    if kind is str:
+        return value if isinstance(value, str) else None
+    try:
+        number = float(value)
+        typed = int(number) if kind is int else kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not math.isfinite(number) or (kind is int and number != typed):
+        return None
+    return typed
+
+
+@functools.cache
+def _helm_contract() -> tuple[dict[str, Any], Any]:
+    """The bundled values contract and its JSON Schema validator class (read once)."""
+    import jsonschema
+
+    schema = json.loads(HELM_SCHEMA.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return schema, cls
+
+
+def _helm_field_holds(field: str, value: Any) -> bool:
+    """True when the contract's ``vllmConfig.<field>`` accepts ``value`` (its type and range,
+    e.g. ``maxModelLen >= 1``: vLLM's ``-1`` auto-fit is a CLI spelling, not a chart value)."""
+    schema, cls = _helm_contract()
+    return bool(cls(schema["$defs"]["vllmConfig"]["properties"][field]).is_valid(value))
+
+
+def _helm(ctx: ExportContext) -> str:
+    args = ctx.deploy_args()
+    vllm_config: dict[str, Any] = {}
+    extra: list[str] = []
+    for k, v in args.items():
+        field, kind = _HELM_KNOWN.get(k, ("", object))
+        typed = _helm_typed(v, kind) if field else None
+        if typed is not None and _helm_field_holds(field, typed):
+            vllm_config[field] = typed
+        else:  # no chart field, or a spelling only vLLM's CLI understands: pass it through
+            extra += _cli_words({k: v})
+    if extra:
+        vllm_config["extraArgs"] = extra
+    values = {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {
+                    "name": _name(ctx),
+                    "repository": "vllm/vllm-openai",
+                    "tag": "latest",
+                    "modelURL": ctx.model,
+                    "replicaCount": 1,
+                    "requestGPU": ctx.gpus,
+                    "vllmConfig": vllm_config,
+                    "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
+                }
+            ]
+        }
+    }
+    problems = helm_schema_problems(values)
+    if problems:  # the exporter's own contract: a bug here, reported without a traceback
+        raise ConfigError(
+            "the helm values break the exporter's chart contract (please report this): "
+            + "; ".join(problems)
+        )
+    return ctx.header() + yaml.safe_dump(values, sort_keys=False)
+
+
+def _json_path(parts: Sequence[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def helm_schema_problems(values: Any, schema_path: Path | None = None) -> list[str]:
+    """Where ``values`` breaks a Helm chart's ``values.schema.json`` (JSON Schema).
+
+    Args:
+        values: Parsed Helm values.
+        schema_path: A chart's ``values.schema.json`` (e.g. from ``helm pull --untar``); the
+            bundled production-stack contract (:data:`HELM_SCHEMA`) when None.
+
+    Returns:
+        One line per violation, ``path.to[0].key: message``; empty when valid.
+
+    Raises:
+        ConfigError: The schema file is missing, not JSON, or not a valid JSON Schema.
+    """
+    import jsonschema
+
+    if schema_path is None:
+        schema, cls = _helm_contract()
+    else:
+        try:
+            schema = json.loads(Path(schema_path).read_text())
+        except OSError as exc:
+            raise ConfigError(
+                f"{schema_path}: cannot read the chart schema ({exc.strerror})"
+            ) from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{schema_path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); give the chart's "
+                "values.schema.json"
+            ) from exc
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise ConfigError(f"{schema_path}: not a valid JSON Schema: {exc.message}") from exc
+    errors = sorted(cls(schema).iter_errors(values), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"{_json_path(list(e.absolute_path))}: {e.message}" for e in errors]
+
+
+def trace_label(plan_doc: Mapping[str, Any]) -> str:
+    """How an export header names the trace: the file's name and the replayed request count
+    (not the tuning machine's path)."""
+    trace = str(plan_doc.get("trace") or "?")
+    label = Path(trace).name if trace != "?" else trace
+    n = plan_doc.get("requests")
+    return f"{label}, {n} requests replayed" if n else label
+
+
+def _accelerator_type(hardware: str) -> str | None:
+    """Ray's accelerator type from e.g. "1x NVIDIA H200 (140 GiB)" -> "H200"."""
+    m = re.search(r"NVIDIA\s+([A-Za-z]+\d+[A-Za-z]*)", hardware)
+    return m.group(1) if m else None
+
+
+def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
+    kwargs = {}
+    for k, v in ctx.deploy_args().items():
+        # engine_kwargs are EngineArgs fields: snake_case; the model is model_loading_config's.
+        kwargs[k.replace("-", "_")] = v
+    llm_config = {
+        "model_loading_config": {"model_id": _name(ctx), "model_source": ctx.model},
+        "accelerator_type": _accelerator_type(ctx.hardware) if ctx.gpus else None,
+        "engine_kwargs": kwargs,
+        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        "runtime_env": {"env_vars": dict(ctx.env)} if ctx.env else None,
+    }
+    llm_config = {k: v for k, v in llm_config.items() if v is not None}
+    app = {
+        "applications": [
+            {
+                "name": _name(ctx),
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "args": {"llm_configs": [llm_config]},
+            }
+        ]
+    }
+    warn = "".join(
+        f"# WARNING: --{f} is not known to the vLLM that ray[llm] pins; check it.\n"
+        for f in unknown_flags
+    )
+    return ctx.header() + warn + yaml.safe_dump(app, sort_keys=False)
+
+
+def render(fmt: str, ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
+    """The export file's text for ``fmt`` (one of :data:`FORMATS`).
+
+    Raises:
+        ConfigError: Unknown format.
+    """
+    if fmt == "vllm-config":
+        return _vllm_config(ctx)
+    if fmt == "vllm-cli":
+        return _vllm_cli(ctx)
+    if fmt == "kubernetes":
+        return _kubernetes(ctx)
+    if fmt == "helm":
+        return _helm(ctx)
+    if fmt == "ray-serve":
+        return _ray_serve(ctx, unknown_flags=unknown_flags)
+    raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+
+
+def default_filename(fmt: str) -> str:
+    """File name an export gets when ``--out`` is not given."""
+    return {
+        "vllm-config": "vllm-config.yaml",
+        "vllm-cli": "vllm-serve.sh",
+        "kubernetes": "kubernetes.yaml",
+        "helm": "helm-values.yaml",
+        "ray-serve": "ray-serve.yaml",
+    }[fmt]
+
+
+def write_export(text: str, path: Path) -> Path:
+    """Write an export file (parents created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -1,0 +1,681 @@
+"""The service facade: everything the HTTP API does, without HTTP (submit, list, show, cancel,
+export), on top of the store, the scheduler and the study hosts.
+
+A submission is a job file (the same schema as ``tune`` reads) inside an optional envelope
+that adds a time window (``not_before``, ``until``) and an uploaded trace. :class:`JobService`
+checks it (the job's own validation, trace and search-space files only under the configured
+roots, the service's policy from :mod:`optimizer.service.security`), records it in the
+:class:`~optimizer.service.store.JobStore` and answers every read from the store and the
+study's Optuna storage. Exports go through the same use case as the CLI
+(:mod:`optimizer.export.workflow`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy as sa
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.config import JobConfig, load_job
+from optimizer.errors import ConfigError, NotFound, SubmissionRefused, TraceError
+from optimizer.service import security
+from optimizer.service.auth import DEFAULT_TEAM, Principal
+from optimizer.service.scheduler import Scheduler
+from optimizer.service.security import is_secret, redact_job
+from optimizer.service.settings import ServiceSettings
+from optimizer.service.store import FINAL_STATES, JobRecord, JobStore
+from optimizer.service.submissions import (
+    Submission,
+    safe_filename,
+)
+from optimizer.trial_view import TrialView, metric_names
+
+__all__ = ["ExportResult", "JobService", "Validator"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """An export as a download.
+
+    Attributes:
+        text: The file.
+        filename: Suggested file name.
+        trial: The trial exported.
+        gain: What the header says about the measured gain.
+    """
+
+    text: str
+    filename: str
+    trial: int
+    gain: str
+
+
+#: (record, study, choice, runs, force) -> (gain text, reasons to refuse); a forced gain text
+#: says what it overrode. The service default re-runs both on the cluster; tests pass a fake.
+Validator = Callable[[JobRecord, optuna.Study, Any, int, bool], tuple[str, list[str]]]
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+def _timestamp(key: str, when: datetime | None) -> float | None:
+    """A submission's time as a timestamp that :func:`_iso` can show again.
+
+    Raises:
+        ConfigError: A time the platform cannot represent (year 1 or 9999 near the edges of
+            the local time zone): stored, it would break every later listing.
+    """
+    if when is None:
+        return None
+    try:
+        ts = when.timestamp()
+        _iso(ts)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise ConfigError(f"{key}: {when.isoformat()} is out of range ({exc})") from exc
+    return ts
+
+
+def _num(v: Any) -> Any:
+    """JSON-safe numbers: NaN and infinities become None."""
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+class JobService:
+    """Everything the HTTP API does, without HTTP: submit, list, show, cancel, export.
+
+    Args:
+        settings: Service settings.
+        store: The job store.
+        scheduler: The scheduler (its launcher runs the drivers).
+        check_plan: Called with a submitted job and its base folder before it is queued
+            (default: :func:`~optimizer.study.prepare` without the flag check, so a bad trace,
+            space or SLO is refused at once); raise ConfigError to refuse.
+        validator: Re-validation for exports with ``validate=true``.
+        clock: Epoch seconds.
+    """
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        store: JobStore,
+        scheduler: Scheduler,
+        *,
+        check_plan: Callable[[JobConfig, Path], None] | None = None,
+        validator: Validator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.scheduler = scheduler
+        self.check_plan = check_plan if check_plan is not None else _prepare_check
+        self.validator = validator if validator is not None else _cluster_validator
+        self.clock = clock
+        self.data_dir = Path(settings.data_dir).resolve()
+        self.roots = [Path(r).expanduser().resolve() for r in settings.trace_roots]
+        self.models_dir = self.data_dir / "models"
+        self.model_roots = [
+            *(Path(r).expanduser().resolve() for r in settings.model_roots),
+            self.models_dir,
+        ]
+        self._storages: dict[str, optuna.storages.BaseStorage] = {}
+        self._storage_lock = threading.Lock()
+
+    # --- submit --------------------------------------------------------------------------------
+
+    def _under_roots(self, path: Path, extra: Iterable[Path] = ()) -> bool:
+        return security.under(path, [*self.roots, *extra])
+
+    def submit(
+        self,
+        sub: Submission,
+        *,
+        upload: tuple[str, bytes] | None = None,
+        owner: Principal | None = None,
+    ) -> tuple[JobRecord, list[str]]:
+        """Check a submission and queue it.
+
+        Args:
+            sub: The submission.
+            upload: A trace uploaded as a file part: (file name, bytes).
+            owner: Who submits (its team owns the study; None: the default team).
+
+        Returns:
+            The queued job and notes on what the service changed in it.
+
+        Raises:
+            ConfigError: An invalid job (the message names the key and the fix).
+            SubmissionRefused: A file outside the allowed roots, or an oversize upload.
+        """
+        job_id = uuid.uuid4().hex[:12]
+        upload_dir = self.data_dir / "uploads" / job_id
+        team = owner.team if owner is not None else DEFAULT_TEAM
+        try:
+            return self._submit(job_id, upload_dir, sub, upload, team)
+        except BaseException:
+            shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
+            raise
+
+    def _submit(
+        self,
+        job_id: str,
+        upload_dir: Path,
+        sub: Submission,
+        upload: tuple[str, bytes] | None,
+        team: str,
+    ) -> tuple[JobRecord, list[str]]:
+        security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
+        doc = json.loads(json.dumps(sub.job, default=str))
+        notes = self._store_upload(doc, sub, upload, upload_dir)
+        notes += self._service_owned_keys(doc, job_id)
+        job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
+        self._check_files(job, upload_dir)
+        self._check_space(job)
+        self._prepare(job, base)
+        now = self.clock()
+        rec = JobRecord(
+            id=job_id,
+            seq=0,
+            name=job.name,
+            state="queued",
+            job=job.model_dump(mode="json"),
+            base=str(base),
+            storage_url=job.storage_url(base),
+            out=str(job.output_dir(base)),
+            submitted_at=now,
+            not_before=_timestamp("not_before", sub.not_before),
+            until=_timestamp("until", sub.until),
+            owner=team,
+        )
+        if rec.until is not None and rec.until <= now:
+            raise ConfigError("until: the time window has already closed; give a later time")
+        # `vllm-autotune export` on this folder applies the service's policy too
+        security.mark_service_study(Path(rec.out), job_id)
+        rec = self.store.add(rec)
+        self.scheduler.wake()
+        return rec, notes
+
+    def _store_upload(
+        self,
+        doc: dict[str, Any],
+        sub: Submission,
+        upload: tuple[str, bytes] | None,
+        upload_dir: Path,
+    ) -> list[str]:
+        """An uploaded trace (multipart part or base64 in the envelope) saved under
+        ``upload_dir`` and named in ``doc``'s trace.path."""
+        if sub.trace_upload is not None:
+            try:
+                data = base64.b64decode(sub.trace_upload.content_b64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ConfigError(f"trace_upload.content_b64: not valid base64 ({exc})") from exc
+            upload = (sub.trace_upload.filename, data)
+        if upload is None:
+            return []
+        name, data = upload
+        if len(data) > self.settings.max_upload_bytes:
+            raise SubmissionRefused(
+                f"the trace is {len(data)} bytes; the limit is "
+                f"{self.settings.max_upload_bytes} bytes",
+                status=413,
+            )
+        trace = doc.get("trace")
+        if not isinstance(trace, dict):
+            trace = {}
+            doc["trace"] = trace
+        upload_dir.mkdir(parents=True, exist_ok=True)
+        path = upload_dir / safe_filename(name)
+        path.write_bytes(data)
+        trace["path"] = str(path)
+        return [f"trace: the uploaded file ({len(data)} bytes)"]
+
+    def _service_owned_keys(self, doc: dict[str, Any], job_id: str) -> list[str]:
+        """What the service decides, not the submitter: the output folder, the cluster,
+        operator URLs, the vLLM install; engine flags and environment under the policy."""
+        notes: list[str] = []
+        out = self.data_dir / "studies" / job_id
+        if isinstance(doc.get("out"), str):
+            notes.append(f"out: ignored ({doc['out']}); the service keeps studies in {out}")
+        doc["out"] = str(out)
+        if doc.get("ray_address"):
+            notes.append("ray_address: ignored; studies run on the service's cluster")
+        doc["ray_address"] = None
+        notes += self._operator_urls(doc)
+        engine = doc.get("engine")
+        if isinstance(engine, dict):
+            if engine.get("python"):
+                raise ConfigError(
+                    "engine.python: the service runs servers with its own vLLM; remove the key"
+                )
+            # Not mappings: the job loader below says so (iterating them here would be a 500).
+            if isinstance(engine.get("env"), dict):
+                security.check_env(engine["env"])
+            for key in ("args", "baseline_args"):
+                if isinstance(engine.get(key), dict):
+                    security.check_engine_args(engine[key], f"engine.{key}")
+        model = doc.get("model")
+        path = model.get("path") if isinstance(model, dict) and model.get("make") else None
+        if isinstance(model, dict) and isinstance(path, str) and not path.startswith(("/", "~")):
+            model["path"] = str(self.models_dir / path)  # a relative target: ours
+        return notes
+
+    def _check_files(self, job: JobConfig, upload_dir: Path) -> None:
+        """The model, the trace and a search-space file only where the operator allows."""
+        self._check_model(job)
+        trace_path = Path(job.trace.path)
+        if not self._under_roots(trace_path, [upload_dir]):
+            raise SubmissionRefused(
+                f"trace.path {job.trace.path}: outside the service's trace roots ("
+                + (", ".join(str(r) for r in self.roots) or "none configured")
+                + "): upload the trace with the request (trace_upload, or a multipart `trace` "
+                "part) or ask the operator to add a --trace-root",
+                status=403,
+            )
+        space = job.search_space
+        if (
+            isinstance(space, str)
+            and space.endswith((".yaml", ".yml"))
+            and not self._under_roots(Path(space))
+        ):
+            raise SubmissionRefused(
+                f"search_space {space}: outside the service's trace roots; inline the "
+                "space in the job or use a preset name",
+                status=403,
+            )
+
+    def _operator_urls(self, doc: dict[str, Any]) -> list[str]:
+        """Storage and MLflow are the operator's: a job's own URLs are replaced (with a note)."""
+        notes: list[str] = []
+        if doc.get("storage"):
+            notes.append("storage: ignored; the service keeps every study in its own storage")
+        doc.pop("storage", None)
+        if self.settings.study_storage:
+            doc["storage"] = self.settings.study_storage
+        ml = doc.get("mlflow")
+        if isinstance(ml, dict):
+            if ml.get("tracking_uri"):
+                notes.append("mlflow.tracking_uri: ignored; the service's MLflow store is used")
+            ml.pop("tracking_uri", None)
+            if self.settings.mlflow_uri:
+                ml["tracking_uri"] = self.settings.mlflow_uri
+        return notes
+
+    def _check_model(self, job: JobConfig) -> None:
+        """A model folder is read under the model roots, and made only under DATA_DIR/models."""
+        path = job.model.path
+        if job.model.make:
+            if not security.under(path, [self.models_dir]):
+                raise SubmissionRefused(
+                    f"model.path: with `make` the service creates models only in its own "
+                    f"folder; give a relative path (it lands in {self.models_dir})",
+                    status=403,
+                )
+        elif Path(path).is_absolute() and not security.under(path, self.model_roots):
+            raise SubmissionRefused(
+                "model.path: outside the service's model roots ("
+                + ", ".join(str(r) for r in self.model_roots)
+                + "): ask the operator to add a --model-root, or give a hub name",
+                status=403,
+            )
+
+    @staticmethod
+    def _check_space(job: JobConfig) -> None:
+        """Every flag the search space can set is one the service accepts."""
+        from search_spaces.schema import load_space
+
+        security.check_space(load_space(job.search_space))
+
+    def _prepare(self, job: JobConfig, base: Path) -> None:
+        """The plan check, with every failure a 4xx that quotes none of the trace."""
+        try:
+            self.check_plan(job, base)
+        except TraceError as exc:
+            where = ", ".join(
+                f"{k} {v}" for k, v in (("line", exc.line), ("field", exc.field)) if v is not None
+            )
+            raise ConfigError(
+                f"trace: {Path(job.trace.path).name} cannot be read"
+                + (f" ({where})" if where else "")
+                + "; the service does not quote the file: `vllm-autotune trace inspect` on it "
+                "says what is wrong"
+            ) from None
+        except (ConfigError, SubmissionRefused):
+            raise
+        except Exception as exc:
+            log.warning("submission refused: its plan failed with %s", type(exc).__name__)
+            raise ConfigError(
+                f"the job could not be prepared ({type(exc).__name__}): the trace or the "
+                "model folder is unreadable; `vllm-autotune tune` on it locally says more"
+            ) from None
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def get(self, job_id: str, who: Principal | None = None) -> JobRecord:
+        """One job, if ``who`` may see it (None: anyone, the service itself).
+
+        Raises:
+            NotFound: No such job, or another team's (the same answer: no id is confirmed).
+        """
+        rec = self.store.get(job_id)
+        if who is not None and not who.may_see(rec.owner):
+            raise NotFound(f"no study {job_id!r}")
+        return rec
+
+    def summary(self, rec: JobRecord) -> dict[str, Any]:
+        """The short form of a job (lists)."""
+        state = rec.state
+        if state == "running" and rec.cancel_requested:
+            state = "cancelling"
+        return {
+            "id": rec.id,
+            "name": rec.name,
+            "owner": rec.owner,
+            "state": state,
+            "submitted_at": _iso(rec.submitted_at),
+            "not_before": _iso(rec.not_before),
+            "until": _iso(rec.until),
+            "started_at": _iso(rec.started_at),
+            "finished_at": _iso(rec.finished_at),
+            "driver_starts": rec.driver_starts,
+            "message": rec.message,
+            "trials": rec.job.get("trials"),
+            "progress": rec.progress,
+        }
+
+    def list_summaries(self, who: Principal | None = None) -> list[dict[str, Any]]:
+        """Every job ``who`` may see (None or an admin: all), in submission order, short form."""
+        owner = None if who is None or who.admin else who.team
+        return [self.summary(r) for r in self.store.records(owner=owner)]
+
+    def _storage(self, url: str) -> optuna.storages.BaseStorage:
+        from optimizer.study import create_storage
+
+        with self._storage_lock:
+            if url not in self._storages:
+                self._storages[url] = create_storage(url)
+            return self._storages[url]
+
+    def study(self, rec: JobRecord) -> optuna.Study | None:
+        """The job's Optuna study, or None before its driver created it.
+
+        The API never opens a storage its driver may still be initializing: two processes
+        creating Optuna's schema at once make one of them fail. A storage is read once a
+        driver has reported running (``storage_ready``), or when the job has ended.
+        """
+        url = rec.storage_url
+        if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists():
+            return None
+        ready = bool(rec.progress.get("storage_ready"))
+        if not ready and not (rec.state in FINAL_STATES and rec.started_at is not None):
+            return None
+        try:
+            return optuna.load_study(study_name=rec.name, storage=self._storage(url))
+        except KeyError:
+            return None
+        except Exception:
+            if ready:
+                raise
+            return None  # a job that failed while creating its storage
+
+    def detail(self, job_id: str, who: Principal | None = None) -> dict[str, Any]:
+        """Status, progress, budget, trials and the front with the baseline and gains."""
+        from optimizer.report import front_rows, study_status
+
+        rec = self.get(job_id, who)
+        doc = self.summary(rec)
+        doc["job"] = redact_job(rec.job)
+        study = self.study(rec)
+        total = rec.job.get("trials")
+        progress: dict[str, Any] = {
+            "trials_total": total,
+            "remaining": rec.progress.get("remaining", total),
+            "budget_left_s": rec.progress.get("budget_left_s"),
+            "last_event": rec.progress.get("last_event", ""),
+        }
+        doc["progress"] = progress
+        doc["objectives"] = []
+        doc["trials_detail"] = []
+        doc["baseline"] = None
+        doc["front"] = []
+        if study is None:
+            return doc
+        names = metric_names(study)
+        doc["objectives"] = [
+            {"metric": n, "direction": d.name.lower()}
+            for n, d in zip(names, study.directions, strict=False)
+        ]
+        st = study_status(study)
+        progress.update(
+            done=st.done,
+            running=st.running,
+            failed=st.failed,
+            infeasible=st.infeasible,
+            front_size=st.front_size,
+            best=st.best,
+            by_status=st.by_status,
+        )
+        if rec.state in FINAL_STATES:
+            progress["remaining"] = 0
+        elif total is not None and "remaining" not in rec.progress:
+            progress["remaining"] = max(0, int(total) - st.done - st.running)
+        doc["trials_detail"] = [
+            self._trial_short(t, names) for t in study.get_trials(deepcopy=False)
+        ]
+        for row in front_rows(study):
+            item = {
+                "number": row.number,
+                "values": {n: _num(v) for n, v in zip(names, row.values, strict=False)},
+                "gains_pct": {n: _num(g) for n, g in zip(names, row.gains_pct, strict=False)},
+                "changed": row.changed,
+                "feasible": row.feasible,
+            }
+            if row.baseline:
+                doc["baseline"] = item
+            else:
+                doc["front"].append(item)
+        return doc
+
+    @staticmethod
+    def _trial_short(t: FrozenTrial, names: list[str]) -> dict[str, Any]:
+        view = TrialView(t)
+        return {
+            "number": t.number,
+            "state": t.state.name.lower(),
+            "status": view.status,
+            "baseline": view.is_baseline,
+            "values": (
+                {n: _num(v) for n, v in zip(names, t.values, strict=False)} if t.values else None
+            ),
+            "feasible": view.feasible if t.state == TrialState.COMPLETE else None,
+            "failure_class": view.failure_class or None,
+            "retry_of": view.retry_of,
+        }
+
+    def trial(self, job_id: str, number: int, who: Principal | None = None) -> dict[str, Any]:
+        """One trial in full: engine args, summary, memory, constraints, message.
+
+        Raises:
+            NotFound: No such job or trial (or another team's).
+        """
+        rec = self.get(job_id, who)
+        study = self.study(rec)
+        trials = study.get_trials(deepcopy=False) if study is not None else []
+        if not 0 <= number < len(trials):
+            raise NotFound(f"study {job_id!r} has no trial {number}")
+        t = trials[number]
+        names = metric_names(study) if study is not None else []
+        doc = self._trial_short(t, names)
+        view = TrialView(t)
+        attrs = {
+            k: v
+            for k, v in view.attributes().items()
+            if k not in ("engine_args", "log_path") and not is_secret(k)
+        }
+        doc.update(
+            engine_args=view.engine_args,
+            params=t.params,
+            constraints={k: _num(v) for k, v in t.constraints.items()},
+            started_at=t.datetime_start.isoformat() if t.datetime_start else None,
+            finished_at=t.datetime_complete.isoformat() if t.datetime_complete else None,
+            attrs=json.loads(json.dumps(attrs, default=str)),
+        )
+        return doc
+
+    # --- actions -------------------------------------------------------------------------------
+
+    def cancel(self, job_id: str, who: Principal | None = None) -> dict[str, Any]:
+        """Cancel a job (see :meth:`Scheduler.cancel`); returns its short form."""
+        self.get(job_id, who)
+        return self.summary(self.scheduler.cancel(job_id))
+
+    def export(
+        self,
+        job_id: str,
+        fmt: str,
+        policy: str = "max-throughput",
+        *,
+        trial: int | None = None,
+        weights: Mapping[str, float] | None = None,
+        validate: bool = False,
+        runs: int = 3,
+        force: bool = False,
+        who: Principal | None = None,
+    ) -> ExportResult:
+        """The chosen configuration rendered for ``fmt``.
+
+        Raises:
+            NotFound: No such job.
+            ConfigError: Unknown format or policy, or nothing exportable.
+            SubmissionRefused: (409) The study has no measured trial yet, or re-validation
+                refused the export.
+        """
+        from optimizer import export as ex
+
+        rec = self.get(job_id, who)
+        study = self.study(rec)
+        plan_file = Path(rec.out) / "plan.json"
+        if study is None or not plan_file.exists():
+            raise SubmissionRefused(
+                f"study {job_id} has not started: nothing to export", status=409
+            )
+        saved = json.loads(plan_file.read_text())
+        choice = ex.choose(study, policy, trial_number=trial, weights=weights)
+        # What the service would refuse is not exported, nor re-run (a study stored before the
+        # allow-list, or a trial whose arguments were changed since).
+        _check_stored_job(rec.job)
+        security.check_engine_args(
+            choice.chosen.engine_args, f"trial {choice.chosen.number}'s engine arguments"
+        )
+        if validate:
+            if choice.baseline is None:
+                raise SubmissionRefused("the study has no baseline to validate against", status=409)
+            security.check_engine_args(
+                choice.baseline.engine_args, "the baseline's engine arguments"
+            )
+            gain, problems = self.validator(rec, study, choice, runs, force)
+            if problems and not force:
+                raise SubmissionRefused(
+                    "refusing to export: " + "; ".join(problems) + " (force=true exports anyway)",
+                    status=409,
+                )
+        else:
+            gain = ex.unvalidated_gain(study, choice)
+        text = ex.render(fmt, ex.context(saved, choice, gain, job=rec.job, study_name=rec.name))
+        exports = list(study.user_attrs.get("exports", []))
+        exports.append(
+            {
+                "trial": choice.chosen.number,
+                "format": fmt,
+                "policy": choice.policy,
+                "via": "service",
+                "gain": gain,
+            }
+        )
+        study.set_user_attr("exports", exports)
+        return ExportResult(
+            text=text, filename=ex.default_filename(fmt), trial=choice.chosen.number, gain=gain
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Liveness of the store and the scheduler."""
+        db_ok = True
+        try:
+            with self.store.engine.connect() as conn:
+                conn.execute(sa.select(1))
+        except Exception:
+            db_ok = False
+        return {
+            "ok": db_ok,
+            "database": db_ok,
+            "scheduler": self.scheduler.alive,
+            "last_tick": _iso(self.scheduler.last_tick),
+        }
+
+
+def _check_stored_job(job: Mapping[str, Any]) -> None:
+    """A stored job's engine flags and environment against the service's allow-lists."""
+    security.check_stored_study(job)
+
+
+def _prepare_check(job: JobConfig, base: Path) -> None:
+    """Build the plan without starting anything; flags and values are checked against the
+    installed vLLM as `tune` does, when this process has one (else the driver checks them)."""
+    from optimizer.study import prepare
+
+    prepare(job, base, check_flags=_has_vllm())
+
+
+@functools.cache
+def _has_vllm() -> bool:
+    from optimizer.engine.flags import installed_vllm
+
+    try:
+        installed_vllm()
+    except (ConfigError, OSError, ValueError):
+        return False
+    return True
+
+
+def _cluster_validator(
+    rec: JobRecord, study: optuna.Study, choice: Any, runs: int, force: bool
+) -> tuple[str, list[str]]:
+    """Re-run the choice and the baseline on the cluster (blocking), by the export use case
+    the CLI uses (:func:`optimizer.export.revalidate`, :func:`optimizer.export.verdict`)."""
+    from optimizer import export as ex
+    from optimizer.runners import RayRunner
+    from optimizer.study import prepare
+
+    job, base = load_job(rec.job, base=Path(rec.base))
+    plan = prepare(job, base)
+    runner = RayRunner(capacity=1)
+    val = ex.revalidate(
+        plan,
+        study,
+        choice,
+        lambda spec, gpus: runner.submit(spec, gpus).future.result(),
+        workdir=plan.out / "validation" / f"service-{int(time.time())}",
+        runs=runs,
+    )
+    return ex.verdict(val, choice.policy, force=force)

@@ -1,0 +1,90 @@
+"""The service's settings and the tokens that authenticate its callers."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimizer.errors import ConfigError
+from optimizer.service.auth import TokenEntry, hash_token
+
+__all__ = ["ServiceSettings", "load_tokens", "token_matches"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """How the service runs (picklable: it travels to the Serve replica).
+
+    Attributes:
+        database_url: The job store (SQLAlchemy URL; SQLite file or PostgreSQL).
+        data_dir: Study folders (``studies/<id>``) and uploaded traces (``uploads/<id>``).
+        trace_roots: Folders a job's trace (and search-space) files must lie under.
+        token_sha256: SHA-256 hex digests of accepted bearer tokens of the ``default`` team.
+        tokens: Accepted tokens with their team and role (digests, never the tokens).
+        model_roots: Folders a job's local model must lie under (besides ``DATA_DIR/models``,
+            where ``model.make`` creates models); hub names are not paths and pass.
+        mlflow_uri: MLflow tracking URI of every job (None: a store in each study's folder).
+        max_concurrent: Studies running at once (None: 1 on a cluster without GPUs, else the
+            number of GPUs).
+        max_upload_bytes: Largest request body accepted (413 above).
+        study_storage: Optuna storage URL for jobs that set none (None: SQLite per study).
+        poll_interval_s: Scheduler period.
+        mlflow: Let jobs log to MLflow (each job's ``mlflow.enabled`` still decides).
+        cpus_per_trial: CPU resources each trial actor asks Ray for.
+        max_driver_starts: A job whose driver died this many times is failed.
+    """
+
+    database_url: str
+    data_dir: str
+    trace_roots: tuple[str, ...] = ()
+    token_sha256: tuple[str, ...] = ()
+    tokens: tuple[TokenEntry, ...] = ()
+    model_roots: tuple[str, ...] = ()
+    mlflow_uri: str | None = None
+    max_concurrent: int | None = None
+    max_upload_bytes: int = 32 * 1024**2
+    study_storage: str | None = None
+    poll_interval_s: float = 2.0
+    mlflow: bool = True
+    cpus_per_trial: float = 1.0
+    max_driver_starts: int = 5
+
+    def token_entries(self) -> tuple[TokenEntry, ...]:
+        """Every accepted token: :attr:`tokens`, then :attr:`token_sha256` (team default)."""
+        return self.tokens + tuple(TokenEntry(digest=d) for d in self.token_sha256)
+
+
+def load_tokens(token_file: str | Path | None = None, env_value: str | None = None) -> list[str]:
+    """Tokens from a file (one per line, ``#`` comments) and/or a comma/space separated string.
+
+    Raises:
+        ConfigError: The file cannot be read.
+    """
+    tokens: list[str] = []
+    if token_file:
+        try:
+            text = Path(token_file).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{token_file}: cannot read the token file ({exc.strerror})") from exc
+        tokens += [ln.strip() for ln in text.splitlines() if ln.strip() and ln[0] != "#"]
+    if env_value:
+        tokens += [t for t in re.split(r"[\s,]+", env_value) if t]
+    return tokens
+
+
+def token_matches(presented: str | None, digests: Iterable[str]) -> bool:
+    """True when ``presented`` hashes to one of ``digests`` (constant-time comparisons)."""
+    if not presented:
+        return False
+    mine = hash_token(presented)
+    ok = False
+    for d in digests:
+        # Compare against every digest so the time does not say which one matched.
+        ok |= hmac.compare_digest(mine, d)
+    return ok
