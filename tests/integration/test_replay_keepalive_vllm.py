@@ -17,7 +17,7 @@ import signal
 import psutil
 import pytest
 
-from optimizer.engine import EngineProcess, group_alive_pids
+from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.engine.models import model_info
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
