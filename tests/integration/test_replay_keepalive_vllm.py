@@ -17,8 +17,8 @@ import signal
 import psutil
 import pytest
 
-from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.engine.models import model_info
+from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayOptions, ReplayResult, ReplaySnapshot, replay
