@@ -45,7 +45,12 @@ from optimizer.engine.logs import (
 from optimizer.errors import EngineError
 from optimizer.types import EngineConfig, FailureClass, MemoryAccount
 
+#: The folder that holds the ``optimizer`` package: the guard (``python -m
+#: optimizer.engine.guard``) must import this code, not another install's.
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
 __all__ = [
+    "SOURCE_ROOT",
     "EngineProcess",
     "build_argv",
     "cpu_engine_env",
@@ -276,9 +281,8 @@ class EngineProcess:
             "--",
             *self.argv,
         ]
-        src_root = str(Path(__file__).resolve().parent.parent)
         env = self._env()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SOURCE_ROOT, env.get("PYTHONPATH")) if p)
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"# vllm-autotune: {' '.join(self.argv)}\n".encode())

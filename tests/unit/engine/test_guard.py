@@ -119,3 +119,24 @@ def test_start_time_tells_a_recycled_pid_apart() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert process_start_time(dead.pid) == ""
+
+
+def test_the_guard_is_imported_from_this_source_tree() -> None:
+    """The server's guard runs as `python -m optimizer.engine.guard` with SOURCE_ROOT first on
+    its PYTHONPATH (a Ray worker's cwd or another install must not decide which code runs)."""
+    import subprocess
+    import sys
+
+    from optimizer.engine.process import SOURCE_ROOT
+
+    root = Path(SOURCE_ROOT)
+    assert (root / "optimizer" / "engine" / "guard.py").is_file()
+    out = subprocess.run(
+        [sys.executable, "-c", "import optimizer.engine.guard as g; print(g.__file__)"],
+        env={"PYTHONPATH": SOURCE_ROOT, "PATH": ""},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(out) == root / "optimizer" / "engine" / "guard.py"
