@@ -353,7 +353,17 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if ns.token_range:
         low, _, high = ns.token_range.partition(":")
         explicit = (int(low), int(high))
-    token_range = prompt_token_range(ns.model, explicit)
+    if explicit is None and ns.url:
+        # A running server: its own vocabulary (model folder it names, else probed).
+        from optimizer.workload.served import served_token_range
+
+        if not served:
+            raise ConfigError("--url needs --served-model (the model name the server serves)")
+        found, how = served_token_range(ns.url, served)
+        token_range: tuple[int, int] = (found.low, found.high)
+        console.print(f"[dim]prompts use {how}[/]")
+    else:
+        token_range = prompt_token_range(ns.model, explicit)
 
     with Progress(
         TextColumn("{task.description}"),
