@@ -93,6 +93,19 @@ def cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _startup_table(doc: dict[str, dict[str, float]]) -> Table:
+    """Where the start went, phase by phase (vLLM's own figure for the same work beside it)."""
+    from optimizer.engine.startup import phase_table_rows
+
+    table = Table(title="startup (launch to healthy), by phase")
+    table.add_column("phase")
+    table.add_column("s", justify="right")
+    table.add_column("vLLM's own figure (s)", justify="right")
+    for row in phase_table_rows(doc):
+        table.add_row(*row)
+    return table
+
+
 def _memory_table(account: Any, startup_s: float | None) -> Table:
     table = Table(title="engine", show_header=False)
     table.add_column("what")
@@ -132,6 +145,7 @@ def cmd_engine_check(ns: argparse.Namespace) -> int:
         err_console.print(f"full log: {exc.log_path}")
         return 1
     try:
+        console.print(_startup_table(engine.startup_phases))
         console.print(_memory_table(engine.memory_account(), engine.startup_s))
         from optimizer.engine.models import model_info
 
@@ -614,7 +628,19 @@ def cmd_show(ns: argparse.Namespace) -> int:
     console.print(status_table(study))
     console.print(front_table(study))
     _print_capacity(answer)
+    _print_trial_cost(study)
     return 0
+
+
+def _print_trial_cost(study: Any) -> None:
+    """Where the trials' time went: replaying vs starting servers, and the start's phases."""
+    from optimizer.analysis.trial_cost import study_cost
+
+    lines = study_cost(study.get_trials(deepcopy=False)).lines()
+    if lines:
+        console.print("[bold]Trial time[/]")
+        for line in lines:
+            console.print(f"  {line}")
 
 
 def _print_capacity(answer: Any) -> None:

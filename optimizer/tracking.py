@@ -457,6 +457,9 @@ class _Syncer:
         ):
             if (n := finite(value)) is not None:
                 out[k] = n
+        for phase, seconds in view.startup_phases.items():
+            if (n := finite(seconds)) is not None:
+                out[f"startup.{phase}_s"] = n
         for k, v in view.memory.items():
             if (n := finite(v)) is not None:
                 out[str(k)] = n
@@ -638,16 +641,27 @@ class _Syncer:
         if metrics:
             self.parent.metrics.update({m.key: m.value for m in metrics})
 
-    def _capacity_metrics(self, study: optuna.Study, plan: dict[str, Any]) -> None:
-        """Parent-run metrics of a capacity study: baseline and best capacity, the gain, ..."""
+    def _summary_metrics(self, study: optuna.Study, plan: dict[str, Any]) -> None:
+        """Parent-run metrics: a capacity study's baseline and best capacity and the gain; every
+        study's trial-time account (share replaying, median server start and its phases)."""
         from optimizer.analysis.capacity import answer_for_plan
 
         assert self.parent is not None
+        from optimizer.analysis.trial_cost import study_cost
+
         answer = answer_for_plan(study, plan)
-        if answer is None:
-            return
+        cost = study_cost(study.get_trials(deepcopy=False))
+        values = dict(answer.metrics()) if answer is not None else {}
+        for key, value in (
+            ("trial_time.replay_share", cost.replay_share),
+            ("trial_time.startup_share", cost.startup_share),
+            ("trial_time.median_startup_s", cost.median_startup_s),
+            *((f"trial_time.startup.{p}_s", s) for p, s in cost.median_phases.items()),
+        ):
+            if value is not None:
+                values[key] = float(value)
         ts = int(time.time() * 1000)
-        metrics = [Metric(k, v, ts, 0) for k, v in answer.metrics().items()]
+        metrics = [Metric(k, v, ts, 0) for k, v in values.items()]
         if metrics:
             self.client.log_batch(self.parent.run_id, metrics=metrics)
             self.parent.metrics.update({m.key: m.value for m in metrics})
@@ -672,7 +686,7 @@ class _Syncer:
                 _log.warning("MLflow: Pareto plots failed: %s", exc)
             (root / "importance.json").write_text(json.dumps(ranked, indent=2, default=str) + "\n")
             (root / "report.md").write_text(report)
-            self._capacity_metrics(study, plan)
+            self._summary_metrics(study, plan)
             if plan:
                 for key in ("storage",):
                     if isinstance(plan.get(key), str):

@@ -115,6 +115,8 @@ class Engine(Protocol):
     def log_path(self) -> Path: ...
     @property
     def startup_s(self) -> float | None: ...
+    @property
+    def startup_phases(self) -> dict[str, dict[str, float]]: ...
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
@@ -175,6 +177,7 @@ def run_trial(
                     log_path=exc.log_path,
                     log_lines=exc.log_lines,
                     memory=server.memory_account(),
+                    startup=server.startup_phases,
                 ),
             )
         if on_engine_ready is not None:
@@ -215,6 +218,7 @@ def _client_side(
     outcome = _in_client(fn, spec, server.url, progress, isolate_client)
     fields: dict[str, Any] = {
         "startup_s": server.startup_s,
+        "startup": server.startup_phases,
         "replay_s": time.monotonic() - t0,
         "memory": memory,
         "effective_config": effective,
@@ -327,6 +331,7 @@ def _finish(spec: TrialSpec, result: TrialResult) -> TrialResult:
         "failure_class": result.failure_class.value if result.failure_class else None,
         "message": result.message,
         "startup_s": result.startup_s,
+        "startup": dict(result.startup) or None,
         "replay_s": result.replay_s,
         "memory": asdict(result.memory) if result.memory else None,
         "summary": dict(result.summary),

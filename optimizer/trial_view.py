@@ -207,6 +207,20 @@ class TrialView:
         return float(value) if value is not None else None
 
     @property
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds per phase of its engine's start (:mod:`optimizer.engine.startup`); empty
+        for trials stored before phases were recorded."""
+        doc = self.trial.user_attrs.get("startup")
+        phases = doc.get("phases") if isinstance(doc, Mapping) else None
+        return {str(k): float(v) for k, v in (phases or {}).items()}
+
+    @property
+    def startup_doc(self) -> dict[str, Any]:
+        """The whole startup record: ``{"phases": ..., "reported": ...}`` (may be empty)."""
+        doc = self.trial.user_attrs.get("startup")
+        return dict(doc) if isinstance(doc, Mapping) else {}
+
+    @property
     def replay_s(self) -> float | None:
         """Seconds its replay took (None: no replay)."""
         value = self.trial.user_attrs.get("replay_s")
@@ -335,6 +349,8 @@ def record_result(trial: optuna.trial.Trial, result: TrialResult, attempt: int) 
         trial.set_user_attr("startup_s", round(result.startup_s, 3))
     if result.replay_s is not None:
         trial.set_user_attr("replay_s", round(result.replay_s, 3))
+    if result.startup:
+        trial.set_user_attr("startup", _json_safe(result.startup))
     if result.server_metrics:
         trial.set_user_attr("server_metrics", dict(result.server_metrics))
     trial.set_user_attr("log_path", result.log_path)

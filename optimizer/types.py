@@ -238,6 +238,8 @@ class TrialResult:
         log_lines: Relevant log lines of a failure.
         effective_config: The engine's settings once vLLM filled in its defaults (snake_case
             field -> logged text; see ``EngineProcess.effective_config``).
+        startup: Where the start went: ``{"phases": {phase: s}, "reported": {what: s}}``
+            (:mod:`optimizer.engine.startup`); also for a start that failed.
         capacity: A capacity trial's search (capacity, bracket, steps, isolation, SLO floors;
             see :func:`optimizer.capacity.trial.capacity_doc`); empty for fixed-load trials.
     """
@@ -256,3 +258,4 @@ class TrialResult:
     log_lines: tuple[str, ...] = ()
     effective_config: Mapping[str, str] = field(default_factory=dict)
     capacity: Mapping[str, Any] = field(default_factory=dict)
+    startup: Mapping[str, Any] = field(default_factory=dict)

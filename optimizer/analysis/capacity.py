@@ -20,6 +20,7 @@ from typing import Any
 
 import optuna
 
+from optimizer.analysis.trial_cost import study_cost
 from optimizer.trial_view import CapacityView, TrialView, feasible_front
 
 __all__ = ["CapacityAnswer", "TrialCapacity", "capacity_answer", "explain_unmet"]
@@ -359,6 +360,9 @@ def study_json(
                 "slos": v.slo_verdicts(),
                 "message": v.message,
                 "capacity": cap if isinstance(cap, Mapping) else None,
+                "startup_s": v.startup_s,
+                "startup": v.startup_doc or None,
+                "replay_s": v.replay_s,
                 "pareto": v.number in front,
             }
         )
@@ -372,4 +376,5 @@ def study_json(
         "front": sorted(front),
         "trials": trials,
         "capacity": answer.to_dict() if answer is not None else None,
+        "trial_cost": study_cost(study.get_trials(deepcopy=False)).to_dict(),
     }

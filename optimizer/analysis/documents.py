@@ -13,6 +13,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.analysis.diagnosis import diagnose
 from optimizer.analysis.front import trial_class
+from optimizer.analysis.trial_cost import study_cost
 from optimizer.trial_view import TrialView, baseline_of, metric_names
 
 __all__ = ["capacity_section", "report_md"]
@@ -77,6 +78,7 @@ def report_md(
     lines += _facts(study, plan, over, front, hv)
     lines += _front_table(study, doc)
     lines += capacity_section(study, plan)
+    lines += study_cost(over).markdown()
     lines += _winners(doc, base_args)
     lines += _importance_lines(importances)
     lines += _diagnoses(over, base, front, stats)

@@ -42,6 +42,7 @@ from optimizer.engine.logs import (
     parse_memory_account,
     parse_prometheus,
 )
+from optimizer.engine.startup import StartupClock
 from optimizer.errors import EngineError
 from optimizer.types import EngineConfig, FailureClass, MemoryAccount
 
@@ -60,6 +61,31 @@ __all__ = [
 ]
 
 ENGINE_ID_ENV = "VLLM_AUTOTUNE_ENGINE_ID"
+
+
+#: How often a starting server's log and ``/health`` are read: the phases' resolution.
+_POLL_S = 0.2
+
+
+class _LogTail:
+    """The complete lines a growing log file gained since the last call."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path = path
+        self.offset = offset
+        self.partial = b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -220,9 +246,12 @@ class EngineProcess:
         self.stop_grace_s = stop_grace_s
         self.engine_id = uuid.uuid4().hex
         self.startup_s: float | None = None
+        #: The start's phases (:mod:`optimizer.engine.startup`), timed as the log was written.
+        self.startup_clock = StartupClock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
         self._registry_entry: Path | None = None
+        self._log_offset = 0
 
     @property
     def url(self) -> str:
@@ -287,6 +316,7 @@ class EngineProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"# vllm-autotune: {' '.join(self.argv)}\n".encode())
             log.flush()
+            self._log_offset = log.tell()
             self._proc = subprocess.Popen(
                 guard,
                 stdout=log,
@@ -322,16 +352,27 @@ class EngineProcess:
         )
         self._registry_entry = entry
 
+    @property
+    def startup_phases(self) -> dict[str, dict[str, float]]:
+        """Where the start went: ``{"phases": {phase: s}, "reported": {what: s}}``."""
+        return self.startup_clock.as_doc()
+
     def _wait_healthy(self, t0: float) -> None:
         assert self._proc is not None
         deadline = t0 + self.startup_timeout_s
+        tail = _LogTail(self.log_path, self._log_offset)
+        clock = self.startup_clock
         with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
             while True:
+                clock.feed(tail.new_lines(), time.monotonic() - t0)
                 code = self._exit_code()
                 if code is not None:
                     self._raise_failure(code)
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
+                        now = time.monotonic() - t0
+                        clock.feed(tail.new_lines(), now)
+                        clock.healthy(now)
                         return
                 except httpx.HTTPError:
                     pass
@@ -346,7 +387,7 @@ class EngineProcess:
                             FailureClass.STARTUP_TIMEOUT, f"{self.startup_timeout_s:.0f} s"
                         ),
                     )
-                time.sleep(0.5)
+                time.sleep(_POLL_S)
 
     def _exit_code(self) -> int | None:
         """The server's exit code once it ended (-1: the group vanished without a word)."""

@@ -85,6 +85,11 @@ class FakeEngine:
         asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(10)
         self.startup_s = 0.01
 
+    @property
+    def startup_phases(self) -> dict[str, dict[str, float]]:
+        """A fake start: all of it in the first /health answer (none before a start)."""
+        return {"phases": {"health": 0.01} if self.startup_s else {}, "reported": {}}
+
     def stop(self) -> None:
         self.stopped = True
         if self._thread.is_alive():

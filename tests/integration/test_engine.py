@@ -78,6 +78,19 @@ def test_memory_account_matches_what_the_server_reports(shared_server: EnginePro
     assert metrics["vllm:num_requests_running"] >= 0
 
 
+def test_startup_phases_add_up_to_the_start(shared_server: EngineProcess) -> None:
+    """Issue 16: a real start split into its phases, timed as the log was written."""
+    doc = shared_server.startup_phases
+    phases = doc["phases"]
+    # The phases every CPU start has (eager: no torch.compile, no CUDA graphs), in order.
+    seen = [p for p in phases if p in ("imports", "engine_start", "weights", "kv_cache", "health")]
+    assert seen == ["imports", "engine_start", "weights", "kv_cache", "health"], phases
+    assert shared_server.startup_s is not None
+    assert sum(phases.values()) == pytest.approx(shared_server.startup_s, abs=0.5)
+    assert phases["imports"] > 1.0  # importing vLLM and torch is never instant
+    assert doc["reported"]["engine_init"] > 0  # vLLM's own "init engine ... took"
+
+
 def test_start_request_stop_leaves_no_process(
     tiny_model: Path, tmp_path: Path, vllm_install: object
 ) -> None:
