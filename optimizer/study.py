@@ -48,7 +48,11 @@ from objectives import ObjectiveSet, load_objectives
 from optimizer.capacity.measure import dev_mode_env
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
-from optimizer.engine.defaults import apply_engine_defaults, prompt_token_range
+from optimizer.engine.defaults import (
+    apply_engine_defaults,
+    compile_cache_env,
+    prompt_token_range,
+)
 from optimizer.errors import ConfigError
 from optimizer.trial_view import (
     BASELINE_ATTR,
@@ -129,7 +133,8 @@ class StudyPlan:
         """
         job = self.job
         capacity = job.capacity.settings() if self.objectives.is_capacity else None
-        env = dict(self.engine.env)
+        # The study's compile caches live in its folder, wherever the folder is now.
+        env = compile_cache_env(Path(self.out) / "cache", self.engine.env)
         if capacity is not None:
             # /reset_prefix_cache between capacity steps (dev-mode endpoints only).
             env.update(dev_mode_env())

@@ -6,6 +6,10 @@
   ``kv-cache-memory-bytes``: it is set unless the arguments size the cache in bytes or the
   environment already has it.
 - Prompt token ids come from the model folder's vocabulary, else a range every tokenizer has.
+- A study's servers share compile caches kept in the study folder (vLLM's torch.compile cache,
+  Inductor's and Triton's): a later trial, a resumed study, a re-validation or the same study
+  moved to another machine starts from what earlier starts compiled. The job's environment
+  wins where it names these variables.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from typing import Any
 
 from optimizer.engine.flags import normalize_flag
 
-__all__ = ["EngineDefaults", "apply_engine_defaults", "has_weights", "prompt_token_range"]
+__all__ = [
+    "EngineDefaults",
+    "apply_engine_defaults",
+    "compile_cache_env",
+    "has_weights",
+    "prompt_token_range",
+]
 
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")
@@ -95,3 +105,14 @@ def prompt_token_range(model: str | None, explicit: Sequence[int] | None = None)
         info = model_info(model)
         return info.prompt_low, info.prompt_high
     return _HUB_TOKEN_RANGE
+
+
+def compile_cache_env(folder: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` with the compile caches of a study's servers in ``folder`` (unless ``env``
+    already names them)."""
+    caches = {
+        "VLLM_CACHE_ROOT": str(folder / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+        "TRITON_CACHE_DIR": str(folder / "triton"),
+    }
+    return {**caches, **(env or {})}

@@ -63,6 +63,9 @@ __all__ = [
 ENGINE_ID_ENV = "VLLM_AUTOTUNE_ENGINE_ID"
 
 
+#: The module the server runs (``python -m``; the CPU build's console script is broken).
+_MODULE = "vllm.entrypoints.openai.api_server"
+
 #: How often a starting server's log and ``/health`` are read: the phases' resolution.
 _POLL_S = 0.2
 
@@ -119,7 +122,7 @@ def build_argv(config: EngineConfig, *, python: str, host: str, port: int) -> li
     argv = [
         python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        _MODULE,
         "--model",
         config.model,
         "--host",
@@ -236,6 +239,7 @@ class EngineProcess:
         port: int | None = None,
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 15.0,
+        preload: bool = False,
     ) -> None:
         self.config = config
         self.log_path = Path(log_path)
@@ -244,6 +248,11 @@ class EngineProcess:
         self.port = port or free_port(host)
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.preload = preload
+        #: Seconds the preloaded interpreter took to import vLLM (``preload`` only).
+        self.preload_s: float | None = None
+        self._prepared_at: float | None = None
+        self._go_file = self.log_path.with_name(self.log_path.name + ".go")
         self.engine_id = uuid.uuid4().hex
         self.startup_s: float | None = None
         #: The start's phases (:mod:`optimizer.engine.startup`), timed as the log was written.
@@ -285,15 +294,88 @@ class EngineProcess:
         except OSError:
             return ""
 
+    def prepare(self) -> None:
+        """Launch the server's interpreter ahead of time (``preload`` only): it imports vLLM
+        and waits; :meth:`start` hands it the arguments. Call it while other work runs (the
+        previous trial's replay) and the imports cost the start nothing. :meth:`stop` ends a
+        prepared interpreter that never served.
+        """
+        if not self.preload:
+            raise RuntimeError("prepare() needs EngineProcess(preload=True)")
+        if self._proc is not None:
+            raise RuntimeError("engine already prepared or started")
+        for stale in (self._go_file, self._ready_file):
+            stale.unlink(missing_ok=True)
+        command = [self.python, "-m", "optimizer.engine.preload", str(self._go_file), _MODULE]
+        self._launch(command, header=f"# vllm-autotune: preload {' '.join(command)}")
+        self._prepared_at = time.monotonic()
+
+    @property
+    def _ready_file(self) -> Path:
+        return self._go_file.with_name(self._go_file.name + ".ready")
+
     def start(self) -> None:
         """Start the server and block until ``/health`` answers 200.
+
+        With ``preload``, the prepared interpreter (prepared now if it was not) gets the
+        arguments once its imports are done; the time waited for them is the start's first
+        phase (``preload_wait``), so ``startup_s`` stays the whole wait from this call.
 
         Raises:
             EngineError: The server exited, or did not become healthy in time; no process of
                 its group is left either way.
         """
-        if self._proc is not None:
-            raise RuntimeError("engine already started")
+        t0 = time.monotonic()
+        if self.preload:
+            if self._proc is None:
+                self.prepare()
+            elif self._prepared_at is None:
+                raise RuntimeError("engine already started")
+            try:
+                self._wait_ready(t0)
+                self.startup_clock.mark("preload_wait", time.monotonic() - t0)
+                self._log_offset = self.log_path.stat().st_size
+                go = self._go_file.with_name(self._go_file.name + ".tmp")
+                go.write_text(json.dumps({"args": self.argv[3:]}))
+                os.replace(go, self._go_file)
+                self._prepared_at = None
+            except BaseException:
+                self.stop()
+                raise
+        else:
+            if self._proc is not None:
+                raise RuntimeError("engine already started")
+            self._launch(self.argv, header=f"# vllm-autotune: {' '.join(self.argv)}")
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_ready(self, t0: float) -> None:
+        """Block until the prepared interpreter has imported vLLM."""
+        assert self._prepared_at is not None
+        while not self._ready_file.exists():
+            code = self._exit_code()
+            if code is not None:
+                self._raise_failure(code)
+            if time.monotonic() > t0 + self.startup_timeout_s:
+                raise EngineError(
+                    "the preloaded interpreter did not import vLLM in "
+                    f"{self.startup_timeout_s:.0f} s",
+                    failure_class=FailureClass.STARTUP_TIMEOUT,
+                    log_lines=tuple(self.log_text().splitlines()[-LOG_TAIL_LINES:]),
+                    log_path=str(self.log_path),
+                    explanation=explain(
+                        FailureClass.STARTUP_TIMEOUT, f"{self.startup_timeout_s:.0f} s"
+                    ),
+                )
+            time.sleep(0.02)
+        self.preload_s = time.monotonic() - self._prepared_at
+
+    def _launch(self, command: list[str], *, header: str) -> None:
+        """Start ``command`` under the guard, in a process group of its own, logging to the log."""
         reap_orphans()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
@@ -308,13 +390,12 @@ class EngineProcess:
             str(self.stop_grace_s),
             str(self._exit_file),
             "--",
-            *self.argv,
+            *command,
         ]
         env = self._env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (SOURCE_ROOT, env.get("PYTHONPATH")) if p)
-        t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            log.write(f"# vllm-autotune: {' '.join(self.argv)}\n".encode())
+            log.write(f"{header}\n".encode())
             log.flush()
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
@@ -328,12 +409,6 @@ class EngineProcess:
         # The launcher forks the guard and exits at once; the group keeps the launcher's pid.
         self._proc.wait(timeout=30)
         self._register()
-        try:
-            self._wait_healthy(t0)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = time.monotonic() - t0
 
     def _register(self) -> None:
         assert self._proc is not None

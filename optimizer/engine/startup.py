@@ -35,9 +35,7 @@ class _Milestone:
 #: The phases, in the order a start goes through them, each with the line that ends it.
 _MILESTONES: tuple[_Milestone, ...] = (
     # The API server logs its arguments once its imports are done.
-    _Milestone(
-        "imports", re.compile(r"non-default args:|vLLM API server version|version \d+\.\d+")
-    ),
+    _Milestone("imports", re.compile(r"non-default args:|vLLM API server version")),
     _Milestone("engine_start", re.compile(r"Initializing a V1 LLM engine")),
     _Milestone("device_init", re.compile(r"Starting to load model")),
     _Milestone(
@@ -59,7 +57,9 @@ _MILESTONES: tuple[_Milestone, ...] = (
 )
 
 #: Every phase name, in order; ``health`` is the last milestone line to the first ``/health`` 200.
-PHASES: tuple[str, ...] = (*(m.phase for m in _MILESTONES), "health")
+#: ``preload_wait`` (first) is the wait for a preloaded interpreter's imports
+#: (:mod:`optimizer.engine.preload`); it is 0 when they were done while other work ran.
+PHASES: tuple[str, ...] = ("preload_wait", *(m.phase for m in _MILESTONES), "health")
 
 _REPORTED: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
@@ -108,6 +108,10 @@ class StartupClock:
                 else:
                     self.reported.setdefault(name, float(hit.group(1)))
 
+    def mark(self, phase: str, at_s: float) -> None:
+        """A milestone the tuner itself saw (``preload_wait``: the arguments were handed over)."""
+        self.marks.setdefault(phase, at_s)
+
     def healthy(self, at_s: float) -> None:
         """``/health`` answered 200 at ``at_s``."""
         self.healthy_s = at_s
@@ -142,6 +146,7 @@ def phases_from_log(
 
 
 _LABELS = {
+    "preload_wait": "wait for the preloaded interpreter",
     "imports": "API server imports",
     "engine_start": "engine-core process start",
     "device_init": "device and worker set-up",

@@ -116,6 +116,50 @@ def test_start_request_stop_leaves_no_process(
     assert all(not _pid_alive(p) for p in members)
 
 
+def test_a_preloaded_interpreter_serves_what_a_plain_start_serves(
+    tiny_model: Path, tmp_path: Path, shared_server: EngineProcess
+) -> None:
+    """Issue 16: the server's interpreter imports vLLM before the start is asked for; then it
+    serves the same configuration as a plain start (the shared server), and a prepared
+    interpreter that never served leaves no process either."""
+    idle = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "idle.log", preload=True)
+    idle.prepare()
+    idle_group = idle.pgid
+    assert idle_group is not None and group_alive_pids(idle_group)
+    idle.stop()
+    assert group_alive_pids(idle_group) == []
+
+    engine = EngineProcess(tiny_config(tiny_model), log_path=tmp_path / "p.log", preload=True)
+    engine.prepare()
+    ready = tmp_path / "p.log.go.ready"
+    deadline = time.monotonic() + 300
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready.exists(), engine.log_text()[-2000:]
+    # vLLM is imported, nothing is served yet: the arguments have not been handed over.
+    assert "non-default args" not in engine.log_text()
+    with engine:
+        phases = engine.startup_phases["phases"]
+        assert list(phases)[:2] == ["preload_wait", "imports"], phases
+        assert engine.preload_s is not None and engine.preload_s > phases["imports"]
+        r = httpx.post(
+            f"{engine.url}/v1/completions",
+            json={
+                "model": str(tiny_model),
+                "prompt": [400, 401],
+                "max_tokens": 4,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        served, plain = engine.cache_config(), shared_server.cache_config()
+        for key in ("block_size", "num_gpu_blocks", "enable_prefix_caching"):
+            assert served.get(key) == plain.get(key), key
+        pgid = engine.pgid
+    assert pgid is not None and group_alive_pids(pgid) == []
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

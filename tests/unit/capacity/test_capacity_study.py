@@ -138,6 +138,14 @@ def test_capacity_study_tells_each_trial_its_capacity(tmp_path: Path) -> None:
     # prefix-cache reset endpoint.
     assert all(s.capacity is not None and s.capacity.min_scale == 0.125 for s in runner.specs)
     assert all(s.engine.env.get("VLLM_SERVER_DEV_MODE") == "1" for s in runner.specs)
+    # Issue 16: every trial's server shares the compile caches kept in the study folder.
+    cache = tmp_path / "out" / "cache"
+    assert all(
+        s.engine.env["VLLM_CACHE_ROOT"] == str(cache / "vllm")
+        and s.engine.env["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor")
+        and s.engine.env["TRITON_CACHE_DIR"] == str(cache / "triton")
+        for s in runner.specs
+    )
     trials = study.get_trials()
     caps = {t.number: t.values[0] for t in trials}
     # 2 req/s at scale 1: capacity = 2 x the fake server's capacity scale (within 5 %).

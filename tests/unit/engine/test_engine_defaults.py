@@ -33,3 +33,15 @@ def test_prompt_token_range() -> None:
     assert prompt_token_range("org/model", [5, 9]) == (5, 9)
     assert prompt_token_range(None) == (1000, 30000)
     assert prompt_token_range("org/model") == (1000, 30000)
+
+
+def test_compile_caches_go_in_the_study_folder_unless_the_job_names_them(tmp_path: Path) -> None:
+    from optimizer.engine.defaults import compile_cache_env
+
+    env = compile_cache_env(tmp_path / "cache", {"TRITON_CACHE_DIR": "/elsewhere", "X": "1"})
+    assert env == {
+        "VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache" / "inductor"),
+        "TRITON_CACHE_DIR": "/elsewhere",
+        "X": "1",
+    }
