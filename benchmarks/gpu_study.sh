@@ -5,6 +5,7 @@
 #                                             its deps and benchmarks/gpu-requirements.txt
 #   bash benchmarks/gpu_study.sh run          there: unpack, run the study, write $OUT
 #   bash benchmarks/gpu_study.sh tests        there: unpack, run `pytest -m gpu tests/gpu`
+#   bash benchmarks/gpu_study.sh exec CMD...  there: unpack, run CMD (e.g. a benchmark)
 #
 # The GPU machine has no network and forgets everything ~30 s after a command: send .gpu/bin and
 # one chunk .gpu/cK per transfer, back to back (../shared/gpu/README.md); the last transfer runs
@@ -62,6 +63,12 @@ nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,
 SMI=$!
 trap 'kill $SMI 2>/dev/null' EXIT
 
+if [ "$MODE" = exec ]; then
+  # Any command in this environment, e.g. a benchmark (its output in $OUT/exec.log).
+  timeout -s INT -k 30 "${EXEC_TIMEOUT:-560}" "${@:2}" 2>&1 | tee "$OUT/exec.log"
+  exit "${PIPESTATUS[0]}"
+fi
+
 if [ "$MODE" = tests ]; then
   # SIGINT, not SIGTERM, at the limit: pytest then runs its teardown (servers stopped).
   timeout -s INT -k 30 "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu tests/gpu -v -s -rA \
@@ -80,7 +87,8 @@ echo "== tune exited $rc after $(( $(date +%s) - t0 )) s"
 python3 benchmarks/study_summary.py "$STUDY" > "$OUT/summary.json" 2>> "$OUT/tune.log"
 python3 -m optimizer.cli show "$STUDY" > "$OUT/show.txt" 2>&1
 python3 -m optimizer.cli show "$STUDY" --json > "$OUT/show.json" 2>> "$OUT/tune.log"
-tar -C "$(dirname "$STUDY")" -czf "$OUT/study.tar.gz" "$(basename "$STUDY")"
+tar -C "$(dirname "$STUDY")" --exclude="$(basename "$STUDY")/cache" -czf "$OUT/study.tar.gz" \
+  "$(basename "$STUDY")"
 tar -C /tmp/ray -czf "$OUT/ray-logs.tar.gz" session_latest/logs 2>/dev/null || true
 cat "$OUT/show.txt"
 exit "$rc"

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     go, module = Path(args[0]), args[1]
+    sys.argv = [module]  # nothing of the preload's own command line is seen by the import
     importlib.import_module(module)
     ready = go.with_name(go.name + ".ready")
     ready.write_text(str(os.getpid()))
