@@ -843,24 +843,17 @@ def _revalidate(
 ) -> Any:
     """Re-run the choice and the baseline here, through the runner ``--runner`` names."""
     from optimizer import export as ex
-    from optimizer.config import load_job
-    from optimizer.study import prepare
 
-    job, base = load_job(saved["job"], base=folder)
-    plan = prepare(job, base)
-    runner = _make_runner(ns.runner, plan, None)
-    try:
-        return ex.revalidate(
-            plan,
-            study,
-            choice,
-            lambda spec, gpus: runner.submit(spec, gpus).future.result(),
-            workdir=plan.out / "validation" / f"trial-{choice.chosen.number}-{int(time.time())}",
-            runs=ns.runs,
-            progress=lambda line: console.print(f"[dim]{line}[/]"),
-        )
-    finally:
-        runner.close()
+    return ex.revalidate_job(
+        saved["job"],
+        folder,
+        study,
+        choice,
+        lambda plan: _make_runner(ns.runner, plan, None),
+        label=f"trial-{choice.chosen.number}",
+        runs=ns.runs,
+        progress=lambda line: console.print(f"[dim]{line}[/]"),
+    )
 
 
 def _validation_table(val: Any, runs: int) -> Table:

@@ -30,6 +30,7 @@ from optimizer.export.workflow import (
     choose,
     context,
     revalidate,
+    revalidate_job,
     unvalidated_gain,
     verdict,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "primary_metrics",
     "render",
     "revalidate",
+    "revalidate_job",
     "select_trial",
     "trace_label",
     "unvalidated_gain",
