@@ -771,7 +771,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ex.helm_schema_problems({}, Path(ns.chart_schema))
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
-    weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
+    weights = ex.parse_weights(ns.weight)
     choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
     _check_service_study(folder, saved, choice, not ns.no_validate)
     console.print(

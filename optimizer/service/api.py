@@ -26,7 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import UploadFile
 
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
-from optimizer.export import FORMATS, POLICIES
+from optimizer.export import FORMATS, POLICIES, parse_weights
 from optimizer.service.auth import (
     Principal,
     TokenEntry,
@@ -170,20 +170,6 @@ async def _read_submission(
     return sub, upload
 
 
-def _weights(items: list[str]) -> dict[str, float]:
-    """``OBJECTIVE=NUMBER`` query values as weights."""
-    weights: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        try:
-            weights[key] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
-    return weights
-
-
 def create_app(service: JobService) -> FastAPI:
     """The FastAPI application over ``service``.
 
@@ -300,7 +286,7 @@ def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], call
             format,
             policy,
             trial=trial,
-            weights=_weights(weight or []),
+            weights=parse_weights(weight or []),
             validate=validate,
             runs=runs,
             force=force,

@@ -600,3 +600,13 @@ def test_revalidate_job_prepares_the_stored_job_and_closes_its_runner(
     assert {w.parent.parent for w in workdirs} == {plans[0].out / "validation"}
     assert all(w.parent.name.startswith("here-") for w in workdirs)
     assert val.metrics
+
+
+def test_weights_parse_alike_for_the_cli_and_the_service() -> None:
+    assert ex.parse_weights(["output_throughput=2", "p95_ttft_ms=0.5"]) == {
+        "output_throughput": 2.0,
+        "p95_ttft_ms": 0.5,
+    }
+    for bad in ("output_throughput", "output_throughput=fast"):
+        with pytest.raises(ConfigError, match="expected OBJECTIVE=NUMBER"):
+            ex.parse_weights([bad])
