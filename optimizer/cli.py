@@ -345,12 +345,8 @@ def _summary_table(summary: dict[str, float], title: str) -> Table:
 def cmd_replay(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from objectives import parse_slo, summarize
-    from optimizer.engine.defaults import prompt_token_range
-    from optimizer.trial import boost_priority, run_trial, write_records
-    from optimizer.types import TrialSpec, TrialStatus
-    from optimizer.workload.prompts import TokenRange
-    from optimizer.workload.replay import ReplayProgress, run_replay
+    from objectives import parse_slo
+    from optimizer.workload.replay import ReplayProgress
 
     if bool(ns.url) == bool(ns.model):
         raise ConfigError("give exactly one of --url (a running server) or --model (start one)")
@@ -363,21 +359,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if len(trace) == 0:
         raise ConfigError(f"{ns.trace}: no request left after shaping")
     served = ns.served_model or ns.model
-    explicit = None
-    if ns.token_range:
-        low, _, high = ns.token_range.partition(":")
-        explicit = (int(low), int(high))
-    if explicit is None and ns.url:
-        # A running server: its own vocabulary (model folder it names, else probed).
-        from optimizer.workload.served import served_token_range
-
-        if not served:
-            raise ConfigError("--url needs --served-model (the model name the server serves)")
-        found, how = served_token_range(ns.url, served)
-        token_range: tuple[int, int] = (found.low, found.high)
-        console.print(f"[dim]prompts use {how}[/]")
-    else:
-        token_range = prompt_token_range(ns.model, explicit)
+    token_range = _replay_token_range(ns, served)
 
     with Progress(
         TextColumn("{task.description}"),
@@ -398,57 +380,17 @@ def cmd_replay(ns: argparse.Namespace) -> int:
                 detail=f"sent {p.sent} in-flight {p.in_flight} failed {p.failed}",
             )
 
-        if ns.url:
-            if ns.boost_priority:
-                boost_priority()  # the client keeps its schedule even when the server is busy
-            result = run_replay(
-                trace,
-                ns.url,
-                served,
-                vocab=TokenRange(*token_range),
-                seed=ns.seed,
-                warmup_requests=ns.warmup,
-                max_duration_s=ns.max_duration,
-                progress=on_progress,
-            )
-            summary = dict(summarize(result.records, slos=slos))
-            write_records(result.records, out / "records.jsonl.gz")
-            kept, message = result.schedule_kept, result.message
-        else:
-            config, notes = engine_config_for(
-                ns.model,
-                parse_engine_args(ns.engine_arg),
-                python=ns.python,
-                kv_cache_gib=ns.kv_cache_gib,
-            )
-            for note in notes:
-                console.print(f"[dim]{note}[/]")
+        def on_engine_start() -> None:
             bar.update(task, detail="starting the engine ...")
-            spec = TrialSpec(
-                number=0,
-                engine=config,
-                trace=trace,
-                workdir=str(out),
-                token_range=token_range,
-                seed=ns.seed,
-                warmup_requests=ns.warmup,
-                max_duration_s=ns.max_duration,
-                slos=tuple(ns.slo),
-                python=ns.python,
-            )
-            trial = run_trial(spec, progress=on_progress)
-            if trial.status is TrialStatus.FAILED:
-                err_console.print(
-                    f"[bold red]engine failed: {trial.failure_class}[/]\n{trial.message}"
-                )
-                for line in trial.log_lines[:8]:
-                    err_console.print(f"  [dim]{line[:240]}[/]")
-                return 1
-            summary = dict(trial.summary)
-            kept = trial.status is TrialStatus.COMPLETE
-            message = trial.message
-            if trial.startup_s:
-                summary["startup_s"] = trial.startup_s
+
+        outcome: tuple[dict[str, Any], bool, str] | None
+        if ns.url:
+            outcome = _replay_at_url(ns, trace, served, token_range, slos, out, on_progress)
+        else:
+            outcome = _replay_on_engine(ns, trace, token_range, out, on_progress, on_engine_start)
+        if outcome is None:
+            return 1
+    summary, kept, message = outcome
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     console.print(_summary_table(summary, f"replay of {len(trace)} requests"))
     console.print(
@@ -458,6 +400,110 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         + (f"  goodput {summary['request_goodput']:.2f}/s" if "request_goodput" in summary else "")
     )
     console.print(f"wrote {out / 'summary.json'} and {out / 'records.jsonl.gz'}")
+    return _replay_exit_code(ns, summary, out, kept, message)
+
+
+def _replay_token_range(ns: argparse.Namespace, served: str | None) -> tuple[int, int]:
+    """The token ids prompts use: --token-range, else the server's or the model's vocabulary."""
+    from optimizer.engine.defaults import prompt_token_range
+
+    explicit = None
+    if ns.token_range:
+        low, _, high = ns.token_range.partition(":")
+        explicit = (int(low), int(high))
+    if explicit is None and ns.url:
+        # A running server: its own vocabulary (model folder it names, else probed).
+        from optimizer.workload.served import served_token_range
+
+        if not served:
+            raise ConfigError("--url needs --served-model (the model name the server serves)")
+        found, how = served_token_range(ns.url, served)
+        console.print(f"[dim]prompts use {how}[/]")
+        return (found.low, found.high)
+    return prompt_token_range(ns.model, explicit)
+
+
+def _replay_at_url(
+    ns: argparse.Namespace,
+    trace: Any,
+    served: str,
+    token_range: tuple[int, int],
+    slos: list[Any],
+    out: Path,
+    on_progress: Any,
+) -> tuple[dict[str, Any], bool, str]:
+    """Replay against the running server at --url: (summary, schedule kept, message)."""
+    from objectives import summarize
+    from optimizer.trial import boost_priority, write_records
+    from optimizer.workload.prompts import TokenRange
+    from optimizer.workload.replay import run_replay
+
+    if ns.boost_priority:
+        boost_priority()  # the client keeps its schedule even when the server is busy
+    result = run_replay(
+        trace,
+        ns.url,
+        served,
+        vocab=TokenRange(*token_range),
+        seed=ns.seed,
+        warmup_requests=ns.warmup,
+        max_duration_s=ns.max_duration,
+        progress=on_progress,
+    )
+    summary = dict(summarize(result.records, slos=slos))
+    write_records(result.records, out / "records.jsonl.gz")
+    return summary, result.schedule_kept, result.message
+
+
+def _replay_on_engine(
+    ns: argparse.Namespace,
+    trace: Any,
+    token_range: tuple[int, int],
+    out: Path,
+    on_progress: Any,
+    on_start: Any,
+) -> tuple[dict[str, Any], bool, str] | None:
+    """Start --model, replay against it, stop it: (summary, kept, message); None: it failed."""
+    from optimizer.trial import run_trial
+    from optimizer.types import TrialSpec, TrialStatus
+
+    config, notes = engine_config_for(
+        ns.model,
+        parse_engine_args(ns.engine_arg),
+        python=ns.python,
+        kv_cache_gib=ns.kv_cache_gib,
+    )
+    for note in notes:
+        console.print(f"[dim]{note}[/]")
+    on_start()
+    spec = TrialSpec(
+        number=0,
+        engine=config,
+        trace=trace,
+        workdir=str(out),
+        token_range=token_range,
+        seed=ns.seed,
+        warmup_requests=ns.warmup,
+        max_duration_s=ns.max_duration,
+        slos=tuple(ns.slo),
+        python=ns.python,
+    )
+    trial = run_trial(spec, progress=on_progress)
+    if trial.status is TrialStatus.FAILED:
+        err_console.print(f"[bold red]engine failed: {trial.failure_class}[/]\n{trial.message}")
+        for line in trial.log_lines[:8]:
+            err_console.print(f"  [dim]{line[:240]}[/]")
+        return None
+    summary = dict(trial.summary)
+    if trial.startup_s:
+        summary["startup_s"] = trial.startup_s
+    return summary, trial.status is TrialStatus.COMPLETE, trial.message
+
+
+def _replay_exit_code(
+    ns: argparse.Namespace, summary: dict[str, Any], out: Path, kept: bool, message: str
+) -> int:
+    """4: too many measured requests failed; 3: the schedule was not kept; else 0."""
     failed, completed = int(summary["failed"]), int(summary["completed"])
     if failed and (not completed or failed / (failed + completed) > ns.max_error_rate):
         from collections import Counter
@@ -491,10 +537,9 @@ def _make_runner(kind: str, plan: Any, ray_address: str | None) -> Any:
     return RayRunner(ray_address or plan.job.ray_address, capacity=capacity)
 
 
-def cmd_tune(ns: argparse.Namespace) -> int:
+def _job_with_overrides(ns: argparse.Namespace) -> tuple[Any, Any]:
+    """The job file, with --trials, --budget, --until, --ray-address and --storage over it."""
     from optimizer.config import load_job
-    from optimizer.report import front_table, study_status
-    from optimizer.study import StudyDriver, StudyEvent, prepare
 
     overrides: dict[str, Any] = {}
     job, base = load_job(ns.job)
@@ -511,6 +556,56 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         overrides["storage"] = storage
     if overrides:
         job, base = load_job({**job.model_dump(), **overrides}, base=base)
+    return job, base
+
+
+def _finished_trial_line(number: int, r: Any) -> str:
+    """One line for a finished trial: status, then its capacity or its latencies, then timings."""
+    s = r.summary
+    text = f"[cyan]trial {number}[/] {r.status.value}"
+    if r.failure_class:
+        text += f" ({r.failure_class.value})"
+    cap = r.capacity
+    if cap and not cap.get("rps"):
+        text += f": capacity 0: {r.message}"
+    elif cap:
+        text += (
+            f": capacity {cap.get('rps', 0):.3g} req/s (rate x{cap.get('scale', 0):.3g}, "
+            f"{len(cap.get('steps') or [])} steps"
+            + (f"; above it {cap['broke_first']} broke" if cap.get("broke_first") else "")
+            + ")"
+        )
+    elif s.get("completed"):
+        text += (
+            f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
+            f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
+            f"{s.get('output_throughput', 0):.1f} tok/s"
+        )
+    if r.startup_s:
+        text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
+    return text
+
+
+def _study_progress_line(driver: Any, elapsed: float) -> str:
+    """The study's counts, time spent and left, front size and best values."""
+    from optimizer.report import study_status
+
+    st = study_status(driver.study)
+    left = driver.budget_left()
+    best = ", ".join(f"{k} {v:,.1f}" for k, v in st.best.items()) or "-"
+    return (
+        f"  [dim]done {st.done} running {st.running} failed {st.failed} "
+        f"infeasible {st.infeasible} | elapsed {elapsed / 60:.1f} min"
+        + (f", budget left {left.total_seconds() / 60:.0f} min" if left is not None else "")
+        + f" | front {st.front_size} | best {best}[/]"
+    )
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from optimizer.report import front_table
+    from optimizer.study import StudyDriver, StudyEvent, prepare
+
+    job, base = _job_with_overrides(ns)
     with console.status("checking the job against the installed vLLM ..."):
         plan = prepare(job, base)
     console.print(
@@ -528,43 +623,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             console.print(f"[cyan]trial {ev.number}[/] started: {ev.detail}")
         elif ev.kind == "finished" and ev.result is not None:
             r = ev.result
-            s = r.summary
-            text = f"[cyan]trial {ev.number}[/] {r.status.value}"
-            if r.failure_class:
-                text += f" ({r.failure_class.value})"
-            cap = r.capacity
-            if cap and not cap.get("rps"):
-                text += f": capacity 0: {r.message}"
-            elif cap:
-                text += (
-                    f": capacity {cap.get('rps', 0):.3g} req/s (rate x{cap.get('scale', 0):.3g}, "
-                    f"{len(cap.get('steps') or [])} steps"
-                    + (f"; above it {cap['broke_first']} broke" if cap.get("broke_first") else "")
-                    + ")"
-                )
-            elif s.get("completed"):
-                text += (
-                    f": p95 TTFT {s.get('p95_ttft_ms', float('nan')):.0f} ms, "
-                    f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
-                    f"{s.get('output_throughput', 0):.1f} tok/s"
-                )
-            if r.startup_s:
-                text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
-            console.print(text)
+            console.print(_finished_trial_line(ev.number, r))
             if r.message and r.status.value != "complete":
                 console.print(f"  [dim]{r.message[:300]}[/]")
         elif ev.kind in ("rejected", "retry", "stale"):
             console.print(f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}")
         if driver is not None and ev.kind in ("finished", "rejected"):
-            st = study_status(driver.study)
-            left = driver.budget_left()
-            best = ", ".join(f"{k} {v:,.1f}" for k, v in st.best.items()) or "-"
-            console.print(
-                f"  [dim]done {st.done} running {st.running} failed {st.failed} "
-                f"infeasible {st.infeasible} | elapsed {elapsed / 60:.1f} min"
-                + (f", budget left {left.total_seconds() / 60:.0f} min" if left is not None else "")
-                + f" | front {st.front_size} | best {best}[/]"
-            )
+            console.print(_study_progress_line(driver, elapsed))
 
     try:
         driver = StudyDriver(plan, runner, on_event=on_event)
@@ -732,7 +797,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ex.helm_schema_problems({}, Path(ns.chart_schema))
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
-    weights = {k: float(v) for k, v in parse_engine_args(ns.weight).items()}
+    weights = ex.parse_weights(ns.weight)
     choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
     _check_service_study(folder, saved, choice, not ns.no_validate)
     console.print(
@@ -804,24 +869,17 @@ def _revalidate(
 ) -> Any:
     """Re-run the choice and the baseline here, through the runner ``--runner`` names."""
     from optimizer import export as ex
-    from optimizer.config import load_job
-    from optimizer.study import prepare
 
-    job, base = load_job(saved["job"], base=folder)
-    plan = prepare(job, base)
-    runner = _make_runner(ns.runner, plan, None)
-    try:
-        return ex.revalidate(
-            plan,
-            study,
-            choice,
-            lambda spec, gpus: runner.submit(spec, gpus).future.result(),
-            workdir=plan.out / "validation" / f"trial-{choice.chosen.number}-{int(time.time())}",
-            runs=ns.runs,
-            progress=lambda line: console.print(f"[dim]{line}[/]"),
-        )
-    finally:
-        runner.close()
+    return ex.revalidate_job(
+        saved["job"],
+        folder,
+        study,
+        choice,
+        lambda plan: _make_runner(ns.runner, plan, None),
+        label=f"trial-{choice.chosen.number}",
+        runs=ns.runs,
+        progress=lambda line: console.print(f"[dim]{line}[/]"),
+    )
 
 
 def _validation_table(val: Any, runs: int) -> Table:

@@ -42,6 +42,24 @@ def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[
     status = TrialView(t).status
     message = TrialView(t).message.strip().splitlines()
     first = message[0][:200] if message else ""
+    unmeasured = _unmeasured(t, status, first)
+    if unmeasured is not None:
+        return unmeasured
+    s = {k: v for k, v in TrialView(t).summary.items() if finite(v) is not None}
+    mem = TrialView(t).memory
+    server = TrialView(t).server_metrics
+    lines: list[str] = []
+    missed = [name for name, m in t.constraints.items() if m > 0]
+    if missed:
+        lines.append("misses " + ", ".join(missed) + (f" ({first})" if first else "") + ".")
+    lines += _latency_shape(s, trace_stats)
+    lines += _kv_capacity(t, s, mem)
+    lines += _server_counters(server)
+    return lines or ["no measurements to read."]
+
+
+def _unmeasured(t: FrozenTrial, status: str, first: str) -> list[str] | None:
+    """The reading of a trial that has no measurements to read (None: it has)."""
     if status == "rejected":
         return [f"rejected before any engine started: {first}"]
     if status == "failed":
@@ -52,13 +70,12 @@ def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[
         return ["the replay client could not keep the schedule: not scored, retried."]
     if status == "driver_died":
         return ["the driver died while this trial ran; its configuration was re-queued."]
-    s = {k: v for k, v in TrialView(t).summary.items() if finite(v) is not None}
-    mem = TrialView(t).memory
-    server = TrialView(t).server_metrics
+    return None
+
+
+def _latency_shape(s: dict[str, Any], trace_stats: dict[str, Any] | None) -> list[str]:
+    """TTFT-bound, TPOT-bound or balanced, and a TTFT tail from queueing under bursts."""
     lines: list[str] = []
-    missed = [name for name, m in t.constraints.items() if m > 0]
-    if missed:
-        lines.append("misses " + ", ".join(missed) + (f" ({first})" if first else "") + ".")
     ttft95, e2el95 = s.get("p95_ttft_ms"), s.get("p95_e2el_ms")
     tpot95, ttft50 = s.get("p95_tpot_ms"), s.get("median_ttft_ms") or s.get("p50_ttft_ms")
     if ttft95 and e2el95:
@@ -83,6 +100,12 @@ def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[
             f"TTFT tail p95/p50 = {ttft95 / ttft50:.1f}: queueing under bursts"
             + (f" (trace burstiness CV {cv:.2f})." if isinstance(cv, int | float) else ".")
         )
+    return lines
+
+
+def _kv_capacity(t: FrozenTrial, s: dict[str, Any], mem: dict[str, Any]) -> list[str]:
+    """The KV cache against the concurrency the trace produced (Little's law)."""
+    lines: list[str] = []
     kv_tokens = finite(mem.get("kv_cache_tokens"))
     thr, mean_e2el = s.get("request_throughput"), s.get("mean_e2el_ms")
     if kv_tokens and thr and mean_e2el and s.get("completed"):
@@ -111,6 +134,12 @@ def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[
                 f"max-num-seqs={seqs:.0f} exceeds what the KV cache holds (~{holds:.0f}): "
                 "the scheduler will preempt under load."
             )
+    return lines
+
+
+def _server_counters(server: dict[str, Any]) -> list[str]:
+    """Preemptions and the prefix-cache hit rate from the server's metrics."""
+    lines: list[str] = []
     pre = finite(server.get("vllm:num_preemptions_total"))
     if pre is not None:
         lines.append(
@@ -122,4 +151,4 @@ def diagnose(t: FrozenTrial, trace_stats: dict[str, Any] | None = None) -> list[
     hits = finite(server.get("vllm:prefix_cache_hits_total"))
     if queries and hits is not None:
         lines.append(f"prefix cache hit rate {hits / queries:.0%}.")
-    return lines or ["no measurements to read."]
+    return lines

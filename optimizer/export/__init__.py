@@ -13,7 +13,7 @@ order), so export is three steps, one module each:
 study benchmark all call it.
 """
 
-from optimizer.export.choose import POLICIES, default_policy, select_trial
+from optimizer.export.choose import POLICIES, default_policy, parse_weights, select_trial
 from optimizer.export.render import (
     FORMATS,
     ExportContext,
@@ -30,6 +30,7 @@ from optimizer.export.workflow import (
     choose,
     context,
     revalidate,
+    revalidate_job,
     unvalidated_gain,
     verdict,
 )
@@ -48,9 +49,11 @@ __all__ = [
     "default_filename",
     "default_policy",
     "helm_schema_problems",
+    "parse_weights",
     "primary_metrics",
     "render",
     "revalidate",
+    "revalidate_job",
     "select_trial",
     "trace_label",
     "unvalidated_gain",

@@ -18,7 +18,7 @@ from optimizer.errors import ConfigError
 from optimizer.report import changed_args
 from optimizer.trial_view import TrialView, baseline_of, feasible_front
 
-__all__ = ["POLICIES", "default_policy", "select_trial"]
+__all__ = ["POLICIES", "default_policy", "parse_weights", "select_trial"]
 
 POLICIES = (
     "max-throughput",
@@ -57,6 +57,24 @@ def _knee(front: list[FrozenTrial], directions: Sequence[StudyDirection]) -> Fro
         for i in range(len(front))
     ]
     return front[dist.index(min(dist))]
+
+
+def parse_weights(items: Sequence[str]) -> dict[str, float]:
+    """``OBJECTIVE=NUMBER`` items (``--weight``, the ``weight`` query value) as weights.
+
+    Raises:
+        ConfigError: An item without ``=`` or whose value is not a number.
+    """
+    weights: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
+    return weights
 
 
 def default_policy(study: optuna.Study) -> str:

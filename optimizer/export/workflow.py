@@ -10,6 +10,7 @@ Every re-run asks for the GPUs of its own configuration (tensor x pipeline paral
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,19 @@ from optimizer.trial_view import TrialView, baseline_of, gpus_per_server
 from optimizer.types import TrialResult, TrialSpec
 
 if TYPE_CHECKING:
+    from optimizer.runners import TrialRunner
     from optimizer.study import StudyPlan
 
-__all__ = ["Choice", "Submit", "choose", "context", "revalidate", "unvalidated_gain", "verdict"]
+__all__ = [
+    "Choice",
+    "Submit",
+    "choose",
+    "context",
+    "revalidate",
+    "revalidate_job",
+    "unvalidated_gain",
+    "verdict",
+]
 
 #: Runs one trial spec on ``gpus`` GPUs to completion and returns its result.
 Submit = Callable[[TrialSpec, int], TrialResult]
@@ -132,6 +143,50 @@ def revalidate(
         runs=runs,
         progress=progress,
     )
+
+
+def revalidate_job(
+    job: dict[str, Any],
+    base: Path,
+    study: optuna.Study,
+    choice: Choice,
+    make_runner: Callable[[StudyPlan], TrialRunner],
+    *,
+    label: str,
+    runs: int,
+    progress: Callable[[str], None] | None = None,
+) -> Validation:
+    """:func:`revalidate` for a stored study: its job prepared again here, the re-runs on the
+    runner ``make_runner`` gives for that plan (closed after), in ``validation/LABEL-TIME``.
+
+    Args:
+        job: The study's job document.
+        base: The folder the job's relative paths are relative to.
+        study: The study.
+        choice: What to re-run.
+        make_runner: The runner the re-runs go to (the CLI's ``--runner``; the service: Ray).
+        label: Names the re-runs' folder under the plan's ``validation/``.
+        runs: Re-runs of each.
+        progress: Called with a line per finished run.
+    """
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+
+    job_config, job_base = load_job(job, base=base)
+    plan = prepare(job_config, job_base)
+    runner = make_runner(plan)
+    try:
+        return revalidate(
+            plan,
+            study,
+            choice,
+            lambda spec, gpus: runner.submit(spec, gpus).future.result(),
+            workdir=plan.out / "validation" / f"{label}-{int(time.time())}",
+            runs=runs,
+            progress=progress,
+        )
+    finally:
+        runner.close()
 
 
 def verdict(val: Validation, policy: str, *, force: bool = False) -> tuple[str, list[str]]:

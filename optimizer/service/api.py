@@ -14,6 +14,7 @@ id 404, a conflict with the study's state 409.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,7 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import UploadFile
 
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
-from optimizer.export import FORMATS, POLICIES
+from optimizer.export import FORMATS, POLICIES, parse_weights
 from optimizer.service.auth import (
     Principal,
     TokenEntry,
@@ -169,20 +170,6 @@ async def _read_submission(
     return sub, upload
 
 
-def _weights(items: list[str]) -> dict[str, float]:
-    """``OBJECTIVE=NUMBER`` query values as weights."""
-    weights: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        try:
-            weights[key] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise ConfigError(f"weight {item!r}: expected OBJECTIVE=NUMBER")
-    return weights
-
-
 def create_app(service: JobService) -> FastAPI:
     """The FastAPI application over ``service``.
 
@@ -199,20 +186,7 @@ def create_app(service: JobService) -> FastAPI:
         redoc_url=None,
     )
 
-    entries = settings.token_entries()
-
-    def auth(
-        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> Principal:
-        who = authenticate(creds.credentials, entries) if creds is not None else None
-        if who is None:
-            raise HTTPException(
-                status_code=401,
-                detail="missing or wrong bearer token",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return who
-
+    auth = _bearer_auth(settings.token_entries())
     authed = [Depends(auth)]
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
@@ -226,6 +200,33 @@ def create_app(service: JobService) -> FastAPI:
     @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
     def openapi() -> dict[str, Any]:
         return app.openapi()
+
+    _add_study_routes(app, service, authed, caller)
+    _add_export_route(app, service, authed, caller)
+    return app
+
+
+def _bearer_auth(entries: Sequence[TokenEntry]) -> Callable[..., Principal]:
+    """The dependency that answers who a request's bearer token names (401 when none)."""
+
+    def auth(
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Principal:
+        who = authenticate(creds.credentials, entries) if creds is not None else None
+        if who is None:
+            raise HTTPException(
+                status_code=401,
+                detail="missing or wrong bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return who
+
+    return auth
+
+
+def _add_study_routes(app: FastAPI, service: JobService, authed: list[Any], caller: Any) -> None:
+    """Submit, list, read and cancel studies (``caller``: the dependency naming the caller)."""
+    settings = service.settings
 
     @app.post(
         "/v1/studies",
@@ -260,6 +261,10 @@ def create_app(service: JobService) -> FastAPI:
         """Stop launching, stop the running trials (actors and servers), keep what finished."""
         return service.cancel(study_id, who)
 
+
+def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], caller: Any) -> None:
+    """Export a study's chosen configuration as a download."""
+
     @app.post("/v1/studies/{study_id}/export", dependencies=authed, tags=["studies"])
     def export(
         study_id: str,
@@ -281,7 +286,7 @@ def create_app(service: JobService) -> FastAPI:
             format,
             policy,
             trial=trial,
-            weights=_weights(weight or []),
+            weights=parse_weights(weight or []),
             validate=validate,
             runs=runs,
             force=force,
@@ -296,8 +301,6 @@ def create_app(service: JobService) -> FastAPI:
                 "X-Autotune-Trial": str(result.trial),
             },
         )
-
-    return app
 
 
 def _submit(

@@ -662,20 +662,17 @@ def _cluster_validator(
     rec: JobRecord, study: optuna.Study, choice: Any, runs: int, force: bool
 ) -> tuple[str, list[str]]:
     """Re-run the choice and the baseline on the cluster (blocking), by the export use case
-    the CLI uses (:func:`optimizer.export.revalidate`, :func:`optimizer.export.verdict`)."""
+    the CLI uses (:func:`optimizer.export.revalidate_job`, :func:`optimizer.export.verdict`)."""
     from optimizer import export as ex
     from optimizer.runners import RayRunner
-    from optimizer.study import prepare
 
-    job, base = load_job(rec.job, base=Path(rec.base))
-    plan = prepare(job, base)
-    runner = RayRunner(capacity=1)
-    val = ex.revalidate(
-        plan,
+    val = ex.revalidate_job(
+        rec.job,
+        Path(rec.base),
         study,
         choice,
-        lambda spec, gpus: runner.submit(spec, gpus).future.result(),
-        workdir=plan.out / "validation" / f"service-{int(time.time())}",
+        lambda _plan: RayRunner(capacity=1),
+        label="service",
         runs=runs,
     )
     return ex.verdict(val, choice.policy, force=force)

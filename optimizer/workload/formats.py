@@ -634,6 +634,61 @@ def _canonical_header(path: Path) -> tuple[int, list[str]]:
 # --------------------------------------------------------------------------- public API
 
 
+@dataclass
+class _Tally:
+    """The rows of a trace file that became requests, and an account of the others."""
+
+    rows: list[_Row] = field(default_factory=list)
+    rows_read: int = 0
+    skipped: int = 0
+    dropped: int = 0
+    reasons: list[str] = field(default_factory=list)
+    drop_reason: str = ""
+
+
+def _read_rows(reader: _Reader, path: Path, skip_bad_rows: bool) -> _Tally:
+    """Parse every row of ``path``; a malformed one raises TraceError unless skipped."""
+    tally = _Tally()
+    previous: int | float | None = None
+
+    def bad(line: int, error: _RowError) -> None:
+        if not skip_bad_rows:
+            raise TraceError(error.message, path=str(path), line=line, field=error.field_name)
+        tally.skipped += 1
+        if len(tally.reasons) < _MAX_REASONS:
+            where = f"line {line}" + (f" [{error.field_name}]" if error.field_name else "")
+            tally.reasons.append(f"{where}: {error.message}")
+
+    with _open_text(path) as handle:
+        for line, record in reader.records(handle, path):
+            tally.rows_read += 1
+            if isinstance(record, _RowError):
+                bad(line, record)
+                continue
+            try:
+                row = reader.parse(record)
+            except _RowError as error:
+                bad(line, error)
+                continue
+            if isinstance(row, _Drop):
+                tally.dropped += 1
+                tally.drop_reason = row.reason
+                continue
+            if previous is not None and row.time < previous:
+                bad(
+                    line,
+                    _RowError(
+                        reader.time_field,
+                        f"timestamp goes backwards ({row.time!r} after {previous!r}); traces must "
+                        f"be sorted by arrival",
+                    ),
+                )
+                continue
+            previous = row.time
+            tally.rows.append(row)
+    return tally
+
+
 def read_trace(
     path: str | Path, fmt: str = "auto", *, skip_bad_rows: bool = False
 ) -> tuple[Trace, ReadReport]:
@@ -660,49 +715,8 @@ def read_trace(
     name = detect_format(path) if fmt == "auto" else fmt
     reader = _reader(name, path)
 
-    rows: list[_Row] = []
-    rows_read = skipped = dropped = 0
-    reasons: list[str] = []
-    drop_reason = ""
-    previous: int | float | None = None
-
-    def bad(line: int, error: _RowError) -> None:
-        nonlocal skipped
-        if not skip_bad_rows:
-            raise TraceError(error.message, path=str(path), line=line, field=error.field_name)
-        skipped += 1
-        if len(reasons) < _MAX_REASONS:
-            where = f"line {line}" + (f" [{error.field_name}]" if error.field_name else "")
-            reasons.append(f"{where}: {error.message}")
-
-    with _open_text(path) as handle:
-        for line, record in reader.records(handle, path):
-            rows_read += 1
-            if isinstance(record, _RowError):
-                bad(line, record)
-                continue
-            try:
-                row = reader.parse(record)
-            except _RowError as error:
-                bad(line, error)
-                continue
-            if isinstance(row, _Drop):
-                dropped += 1
-                drop_reason = row.reason
-                continue
-            if previous is not None and row.time < previous:
-                bad(
-                    line,
-                    _RowError(
-                        reader.time_field,
-                        f"timestamp goes backwards ({row.time!r} after {previous!r}); traces must "
-                        f"be sorted by arrival",
-                    ),
-                )
-                continue
-            previous = row.time
-            rows.append(row)
-
+    tally = _read_rows(reader, path, skip_bad_rows)
+    rows, skipped, dropped = tally.rows, tally.skipped, tally.dropped
     if not rows:
         detail = f" ({skipped} malformed, {dropped} dropped)" if skipped or dropped else ""
         raise TraceError(f"no requests could be read{detail}", path=str(path))
@@ -722,12 +736,12 @@ def read_trace(
     report = ReadReport(
         format=name,
         path=str(path),
-        rows_read=rows_read,
+        rows_read=tally.rows_read,
         requests=len(requests),
         rows_skipped=skipped,
-        skip_reasons=tuple(reasons),
+        skip_reasons=tuple(tally.reasons),
         rows_dropped=dropped,
-        drop_reason=drop_reason,
+        drop_reason=tally.drop_reason,
         notes=(*reader.notes, *reader.late_notes()),
     )
     return trace, report

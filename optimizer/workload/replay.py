@@ -529,14 +529,7 @@ class _Run:
         # (requests that fail before they reach a socket, transports without trace hooks).
         dispatched_s = clock.now() - t0
         shard = index % len(self.clients)
-        self.sent += 1
-        self.in_flight_sent[index] = dispatched_s
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        self.in_flight_per_client[shard] += 1
-        if self.in_flight_per_client[shard] > self.connections_per_client:
-            self.pool_overflow += 1
-        self.emit_progress()
+        self._count_sent(index, shard, dispatched_s)
 
         chunk_times: list[float] = []
         usage_tokens: int | None = None
@@ -553,17 +546,7 @@ class _Run:
                 # never read the request, so sending it again cannot count it twice.
                 if self.retry_client is None or attempt.fresh or not _reset_before_response(exc):
                     raise
-                self.retried += 1
-                logger.info(
-                    "request %d: %s on a reused connection before any response; "
-                    "retrying on a fresh one",
-                    index,
-                    describe_error(exc),
-                )
-                first_sent_s = attempt.sent_s
-                attempt = _Attempt(clock, t0)
-                attempt.sent_s_first = first_sent_s
-                request.extensions["trace"] = attempt
+                attempt = self._retry_attempt(index, request, attempt, exc)
                 response = await self.retry_client.send(request, stream=True)
             try:
                 if response.status_code != 200:
@@ -605,14 +588,38 @@ class _Run:
         except httpx.HTTPError as exc:
             error = describe_error(exc)
 
-        output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
-        if error is None and done_s is None:
-            error = "stream ended without [DONE]"
-        if error is None and output_tokens < wanted:
-            error = f"short output: {output_tokens} of {wanted} tokens"
+        if error is None:
+            error = _incomplete(done_s, usage_tokens, len(chunk_times), wanted)
         sent_s = attempt.send_time(dispatched_s)
         self._finish(index, sent_s, chunk_times, usage_tokens, done_s, error)
         self.in_flight_per_client[shard] -= 1
+
+    def _count_sent(self, index: int, shard: int, dispatched_s: float) -> None:
+        """Count a request as sent and in flight (on its client pool too)."""
+        self.sent += 1
+        self.in_flight_sent[index] = dispatched_s
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self.in_flight_per_client[shard] += 1
+        if self.in_flight_per_client[shard] > self.connections_per_client:
+            self.pool_overflow += 1
+        self.emit_progress()
+
+    def _retry_attempt(
+        self, index: int, request: httpx.Request, attempt: _Attempt, exc: BaseException
+    ) -> _Attempt:
+        """A second attempt at a request, keeping the first attempt's send time."""
+        self.retried += 1
+        logger.info(
+            "request %d: %s on a reused connection before any response; retrying on a fresh one",
+            index,
+            describe_error(exc),
+        )
+        first_sent_s = attempt.sent_s
+        attempt = _Attempt(self.clock, self.t0)
+        attempt.sent_s_first = first_sent_s
+        request.extensions["trace"] = attempt
+        return attempt
 
     def _finish(
         self,
@@ -665,6 +672,18 @@ class _Run:
                     warmup=index < self.warmup_requests,
                 )
                 self.failed += 1
+
+
+def _incomplete(
+    done_s: float | None, usage_tokens: int | None, chunks: int, wanted: int
+) -> str | None:
+    """Why a response that raised no error is still not a complete one (None: it is)."""
+    output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if done_s is None:
+        return "stream ended without [DONE]"
+    if output_tokens < wanted:
+        return f"short output: {output_tokens} of {wanted} tokens"
+    return None
 
 
 def _judge(
@@ -764,15 +783,7 @@ async def replay(
         raise ReplayError("cannot replay an empty trace")
     opts = _options(options, overrides)
     clock = clock if clock is not None else MonotonicClock()
-
-    first_arrival_s = (
-        opts.schedule_origin_s
-        if opts.schedule_origin_s is not None
-        else trace.requests[0].arrival_s
-    )
-    scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
-    if any(b < a for a, b in itertools.pairwise(scheduled_s)):
-        raise ReplayError("trace requests must be sorted by arrival_s")
+    scheduled_s = _schedule(trace, opts)
     bodies = build_request_bodies(
         trace,
         model,
@@ -781,6 +792,45 @@ async def replay(
         extra_body=opts.extra_body,
         indices=opts.prompt_indices,
     )
+    async with contextlib.AsyncExitStack() as stack:
+        clients, retry_client, connections_per_client = await _open_clients(
+            stack, url, opts, transport
+        )
+        requests = _http_requests(clients, opts, bodies)
+        del bodies
+        run = _Run(
+            clients=clients,
+            retry_client=retry_client,
+            connections_per_client=connections_per_client,
+            requests=requests,
+            scheduled_s=scheduled_s,
+            wanted_tokens=[r.output_tokens for r in trace.requests],
+            input_tokens=[r.input_tokens for r in trace.requests],
+            warmup_requests=opts.warmup_requests,
+            clock=clock,
+            progress=progress,
+            progress_interval_s=opts.progress_interval_s,
+        )
+        run.t0 = clock.now() if opts.start_at is None else opts.start_at
+        stopped_early, stop_reason = await _run_until_stopped(run, clock, opts, stop_check)
+    return _result(run, clock, opts, stopped_early, stop_reason)
+
+
+def _schedule(trace: Trace, opts: ReplayOptions) -> list[float]:
+    """Every request's send time after the clock starts (the trace must be sorted)."""
+    first_arrival_s = (
+        opts.schedule_origin_s
+        if opts.schedule_origin_s is not None
+        else trace.requests[0].arrival_s
+    )
+    scheduled_s = [r.arrival_s - first_arrival_s for r in trace.requests]
+    if any(b < a for a, b in itertools.pairwise(scheduled_s)):
+        raise ReplayError("trace requests must be sorted by arrival_s")
+    return scheduled_s
+
+
+def _request_headers(opts: ReplayOptions) -> dict[str, str]:
+    """The headers of every request: JSON in, an unencoded event stream out."""
     # identity: no decoder layer on the stream (vLLM does not compress it anyway).
     headers = {
         "Content-Type": "application/json",
@@ -789,7 +839,28 @@ async def replay(
     }
     if opts.api_key:
         headers["Authorization"] = f"Bearer {opts.api_key}"
+    return headers
 
+
+def _http_requests(
+    clients: Sequence[httpx.AsyncClient], opts: ReplayOptions, bodies: Sequence[bytes]
+) -> list[httpx.Request]:
+    """A ready request per body, spread round-robin over the client pools."""
+    headers = _request_headers(opts)
+    shards = len(clients)
+    return [
+        clients[index % shards].build_request("POST", opts.endpoint, content=body, headers=headers)
+        for index, body in enumerate(bodies)
+    ]
+
+
+async def _open_clients(
+    stack: contextlib.AsyncExitStack,
+    url: str,
+    opts: ReplayOptions,
+    transport: httpx.AsyncBaseTransport | None,
+) -> tuple[list[httpx.AsyncClient], httpx.AsyncClient | None, int]:
+    """The client pools (closed by ``stack``), the retry client, and connections per pool."""
     lean = transport is None and opts.lean_transport and url.startswith("http:")
     shards = 1 if lean else max(1, min(opts.client_shards, opts.max_connections))
     connections_per_client = -(-opts.max_connections // shards)
@@ -815,93 +886,90 @@ async def replay(
         retry_transport = LeanTransport(
             keepalive_expiry_s=0.0, connect_timeout_s=opts.connect_timeout_s
         )
-    async with contextlib.AsyncExitStack() as stack:
-        # Several small pools instead of one big one: httpcore's pool bookkeeping costs
-        # O(connections^2) per request and event (encode/httpx#3215), so one pool of
-        # thousands of connections cannot keep a schedule of a few hundred requests/s.
-        clients = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(
-                    base_url=url,
-                    transport=transport,
-                    limits=limits,
-                    timeout=timeout,
-                    trust_env=opts.trust_env,
-                    verify=ssl_context,
-                )
+    # Several small pools instead of one big one: httpcore's pool bookkeeping costs
+    # O(connections^2) per request and event (encode/httpx#3215), so one pool of
+    # thousands of connections cannot keep a schedule of a few hundred requests/s.
+    clients = [
+        await stack.enter_async_context(
+            httpx.AsyncClient(
+                base_url=url,
+                transport=transport,
+                limits=limits,
+                timeout=timeout,
+                trust_env=opts.trust_env,
+                verify=ssl_context,
             )
-            for _ in range(shards)
-        ]
-        # Retries go on connections of their own, never reused: a fresh one each time.
-        retry_client = None
-        if opts.retry_reset:
-            retry_client = await stack.enter_async_context(
-                httpx.AsyncClient(
-                    base_url=url,
-                    transport=retry_transport,
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-                    timeout=timeout,
-                    trust_env=opts.trust_env,
-                    verify=ssl_context,
-                )
-            )
-        requests = [
-            clients[index % shards].build_request(
-                "POST", opts.endpoint, content=body, headers=headers
-            )
-            for index, body in enumerate(bodies)
-        ]
-        del bodies
-        run = _Run(
-            clients=clients,
-            retry_client=retry_client,
-            connections_per_client=connections_per_client,
-            requests=requests,
-            scheduled_s=scheduled_s,
-            wanted_tokens=[r.output_tokens for r in trace.requests],
-            input_tokens=[r.input_tokens for r in trace.requests],
-            warmup_requests=opts.warmup_requests,
-            clock=clock,
-            progress=progress,
-            progress_interval_s=opts.progress_interval_s,
         )
-        run.t0 = clock.now() if opts.start_at is None else opts.start_at
-        main = asyncio.create_task(run.main())
-        timer: asyncio.Task[None] | None = None
-        watcher: asyncio.Task[str] | None = None
-        stopped_early = False
-        stop_reason = ""
-        try:
-            waiting: set[asyncio.Task[Any]] = {main}
-            if opts.max_duration_s is not None:
-                timer = asyncio.create_task(clock.sleep_until(run.t0 + opts.max_duration_s))
-                waiting.add(timer)
-            if stop_check is not None:
-                watcher = asyncio.create_task(run.watch(stop_check, opts.stop_check_interval_s))
-                waiting.add(watcher)
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if main in done:
-                main.result()  # re-raises a bug in the replayer
-            else:
-                stopped_early = True
-                if watcher is not None and watcher in done:
-                    stop_reason = watcher.result()
-                    run.cancel_reason = f"early stop: {stop_reason}"
-                else:
-                    stop_reason = run.cancel_reason = _REASON_MAX_DURATION
-                await run.cancel_all(main)
-        except BaseException:
-            # Outer cancellation, Ctrl-C or a bug: leave no request task behind.
-            if not stopped_early:
-                run.cancel_reason = _REASON_CANCELLED
-            await run.cancel_all(main)
-            raise
-        finally:
-            for side in (timer, watcher):
-                if side is not None:
-                    side.cancel()
-                    await asyncio.gather(side, return_exceptions=True)
+        for _ in range(shards)
+    ]
+    # Retries go on connections of their own, never reused: a fresh one each time.
+    retry_client = None
+    if opts.retry_reset:
+        retry_client = await stack.enter_async_context(
+            httpx.AsyncClient(
+                base_url=url,
+                transport=retry_transport,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                timeout=timeout,
+                trust_env=opts.trust_env,
+                verify=ssl_context,
+            )
+        )
+    return clients, retry_client, connections_per_client
 
+
+async def _run_until_stopped(
+    run: _Run,
+    clock: Clock,
+    opts: ReplayOptions,
+    stop_check: Callable[[ReplaySnapshot], str | None] | None,
+) -> tuple[bool, str]:
+    """Run the replay until every request finished, the time limit, or ``stop_check`` says stop.
+
+    Returns whether it stopped early, and why ("" when it did not).
+    """
+    main = asyncio.create_task(run.main())
+    timer: asyncio.Task[None] | None = None
+    watcher: asyncio.Task[str] | None = None
+    stopped_early = False
+    stop_reason = ""
+    try:
+        waiting: set[asyncio.Task[Any]] = {main}
+        if opts.max_duration_s is not None:
+            timer = asyncio.create_task(clock.sleep_until(run.t0 + opts.max_duration_s))
+            waiting.add(timer)
+        if stop_check is not None:
+            watcher = asyncio.create_task(run.watch(stop_check, opts.stop_check_interval_s))
+            waiting.add(watcher)
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if main in done:
+            main.result()  # re-raises a bug in the replayer
+        else:
+            stopped_early = True
+            if watcher is not None and watcher in done:
+                stop_reason = watcher.result()
+                run.cancel_reason = f"early stop: {stop_reason}"
+            else:
+                stop_reason = run.cancel_reason = _REASON_MAX_DURATION
+            await run.cancel_all(main)
+    except BaseException:
+        # Outer cancellation, Ctrl-C or a bug: leave no request task behind.
+        if not stopped_early:
+            run.cancel_reason = _REASON_CANCELLED
+        await run.cancel_all(main)
+        raise
+    finally:
+        for side in (timer, watcher):
+            if side is not None:
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
+    return stopped_early, stop_reason
+
+
+def _result(
+    run: _Run, clock: Clock, opts: ReplayOptions, stopped_early: bool, stop_reason: str
+) -> ReplayResult:
+    """Account for the requests never sent, judge the send lag, and gather the result."""
     stop_s = clock.now() - run.t0
     run.account_unsent(stop_s)
     run.emit_progress(force=True)

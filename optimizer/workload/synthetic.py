@@ -104,6 +104,85 @@ def _arrivals_s(
     return arrivals[arrivals < duration_s]
 
 
+def _check_mix(mix: Sequence[MixComponent]) -> None:
+    """Raise ConfigError naming the first out-of-range field of the mix."""
+    _check(len(mix) > 0, "mix needs at least one component")
+    for index, component in enumerate(mix):
+        _check(component.weight > 0, f"mix[{index}].weight must be > 0")
+        for name, lengths in (("input", component.input), ("output", component.output)):
+            _check(lengths.median_tokens > 0, f"mix[{index}].{name}.median_tokens must be > 0")
+            _check(lengths.sigma >= 0, f"mix[{index}].{name}.sigma must be >= 0")
+            _check(
+                lengths.max_tokens is None or lengths.max_tokens >= 1,
+                f"mix[{index}].{name}.max_tokens must be >= 1",
+            )
+
+
+def _check_prefixes(
+    block_size: int, prefix_fraction: float, prefix_groups: int, prefix_tokens: int
+) -> bool:
+    """Raise ConfigError for out-of-range prefix settings; True when requests share prefixes."""
+    _check(block_size > 0, "block_size must be > 0")
+    _check(0.0 <= prefix_fraction <= 1.0, "prefix_fraction must be in [0, 1]")
+    _check(prefix_groups >= 0, "prefix_groups must be >= 0")
+    _check(
+        prefix_tokens >= 0 and prefix_tokens % block_size == 0,
+        f"prefix_tokens must be a non-negative multiple of block_size ({block_size})",
+    )
+    sharing = prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens > 0
+    _check(
+        not (prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens == 0),
+        "prefix_tokens must be > 0 when prefix_groups and prefix_fraction are set",
+    )
+    return sharing
+
+
+def _lengths(
+    rng: np.random.Generator, mix: Sequence[MixComponent], n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's input and output length, drawn from a component picked by weight."""
+    weights = np.array([c.weight for c in mix], dtype=np.float64)
+    choice = rng.choice(len(mix), size=n, p=weights / weights.sum())
+    inputs = np.zeros(n, dtype=np.int64)
+    outputs = np.zeros(n, dtype=np.int64)
+    for index, component in enumerate(mix):
+        # Draw for every request and keep the chosen ones: the stream of draws does not
+        # depend on the choice, so changing one component leaves the others' draws alone.
+        inputs = np.where(choice == index, component.input.sample(rng, n), inputs)
+        outputs = np.where(choice == index, component.output.sample(rng, n), outputs)
+    return inputs, outputs
+
+
+def _requests(
+    arrivals_s: np.ndarray,
+    inputs: np.ndarray,
+    outputs: np.ndarray,
+    prefixed: np.ndarray,
+    groups: np.ndarray,
+    prefix_tokens: int,
+    block_size: int,
+) -> tuple[TraceRequest, ...]:
+    """The trace's requests; a prefixed one starts with its group's shared prefix blocks."""
+    blocks_per_prefix = prefix_tokens // block_size
+    requests = []
+    for i in range(len(arrivals_s)):
+        blocks: tuple[int, ...] = ()
+        input_tokens = int(inputs[i])
+        if prefixed[i]:
+            first = int(groups[i]) * blocks_per_prefix
+            blocks = tuple(range(first, first + blocks_per_prefix))
+            input_tokens += prefix_tokens
+        requests.append(
+            TraceRequest(
+                arrival_s=float(arrivals_s[i]),
+                input_tokens=input_tokens,
+                output_tokens=int(outputs[i]),
+                prefix_blocks=blocks,
+            )
+        )
+    return tuple(requests)
+
+
 def synthesize(
     num_requests: int | None = None,
     *,
@@ -155,66 +234,20 @@ def synthesize(
     _check(duration_s is None or duration_s > 0, "duration_s must be > 0")
     _check(rate_rps > 0 and np.isfinite(rate_rps), "rate_rps must be a finite number > 0")
     _check(burstiness_cv > 0 and np.isfinite(burstiness_cv), "burstiness_cv must be > 0")
-    _check(len(mix) > 0, "mix needs at least one component")
-    for index, component in enumerate(mix):
-        _check(component.weight > 0, f"mix[{index}].weight must be > 0")
-        for name, lengths in (("input", component.input), ("output", component.output)):
-            _check(lengths.median_tokens > 0, f"mix[{index}].{name}.median_tokens must be > 0")
-            _check(lengths.sigma >= 0, f"mix[{index}].{name}.sigma must be >= 0")
-            _check(
-                lengths.max_tokens is None or lengths.max_tokens >= 1,
-                f"mix[{index}].{name}.max_tokens must be >= 1",
-            )
-    _check(block_size > 0, "block_size must be > 0")
-    _check(0.0 <= prefix_fraction <= 1.0, "prefix_fraction must be in [0, 1]")
-    _check(prefix_groups >= 0, "prefix_groups must be >= 0")
-    _check(
-        prefix_tokens >= 0 and prefix_tokens % block_size == 0,
-        f"prefix_tokens must be a non-negative multiple of block_size ({block_size})",
-    )
-    sharing = prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens > 0
-    _check(
-        not (prefix_groups > 0 and prefix_fraction > 0 and prefix_tokens == 0),
-        "prefix_tokens must be > 0 when prefix_groups and prefix_fraction are set",
-    )
+    _check_mix(mix)
+    sharing = _check_prefixes(block_size, prefix_fraction, prefix_groups, prefix_tokens)
 
     rng = np.random.default_rng(seed)
     arrivals_s = _arrivals_s(rng, rate_rps, burstiness_cv, num_requests, duration_s)
     n = len(arrivals_s)
-
-    weights = np.array([c.weight for c in mix], dtype=np.float64)
-    choice = rng.choice(len(mix), size=n, p=weights / weights.sum())
-    inputs = np.zeros(n, dtype=np.int64)
-    outputs = np.zeros(n, dtype=np.int64)
-    for index, component in enumerate(mix):
-        # Draw for every request and keep the chosen ones: the stream of draws does not
-        # depend on the choice, so changing one component leaves the others' draws alone.
-        inputs = np.where(choice == index, component.input.sample(rng, n), inputs)
-        outputs = np.where(choice == index, component.output.sample(rng, n), outputs)
-
+    inputs, outputs = _lengths(rng, mix, n)
     uses_prefix = rng.random(n) < prefix_fraction
     groups = rng.integers(0, max(prefix_groups, 1), size=n)
-    blocks_per_prefix = prefix_tokens // block_size
-
-    requests = []
-    for i in range(n):
-        blocks: tuple[int, ...] = ()
-        input_tokens = int(inputs[i])
-        if sharing and uses_prefix[i]:
-            first = int(groups[i]) * blocks_per_prefix
-            blocks = tuple(range(first, first + blocks_per_prefix))
-            input_tokens += prefix_tokens
-        requests.append(
-            TraceRequest(
-                arrival_s=float(arrivals_s[i]),
-                input_tokens=input_tokens,
-                output_tokens=int(outputs[i]),
-                prefix_blocks=blocks,
-            )
-        )
+    prefixed = uses_prefix if sharing else np.zeros(n, dtype=bool)
+    requests = _requests(arrivals_s, inputs, outputs, prefixed, groups, prefix_tokens, block_size)
     source = (
         f"synthetic(rate_rps={rate_rps}, burstiness_cv={burstiness_cv}, "
         f"components={len(mix)}, prefix_groups={prefix_groups if sharing else 0}, "
         f"seed={seed})"
     )
-    return Trace(requests=tuple(requests), block_size=block_size, source=source)
+    return Trace(requests=requests, block_size=block_size, source=source)

@@ -537,3 +537,76 @@ def test_revalidation_asks_for_the_gpus_of_each_configuration(tmp_path: Path) ->
     asked.clear()
     ex.revalidate(cpu_plan, study, choice, submit, workdir=tmp_path / "c", runs=1)
     assert asked == [(1, 0), (2, 0)]
+
+
+def test_revalidate_job_prepares_the_stored_job_and_closes_its_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's and the service's re-validation: the job prepared again, the re-runs on the
+    runner made for that plan, in ``validation/LABEL-TIME``, the runner closed after."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    import optimizer.study
+    from tests.unit.test_study_loop import _job
+
+    real_prepare = optimizer.study.prepare
+    monkeypatch.setattr(
+        optimizer.study, "prepare", lambda job, base: real_prepare(job, base, check_flags=False)
+    )
+    study = optuna.create_study(directions=["minimize", "minimize", "maximize"])
+    study.set_metric_names(["p95_ttft_ms", "p95_tpot_ms", "output_throughput"])
+    for number, seqs in enumerate((256, 64)):
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[100.0, 10.0, 50.0 + number],
+                user_attrs={
+                    "engine_args": json.dumps({"max-num-seqs": seqs}),
+                    "status": "complete",
+                    "baseline": number == 0,
+                },
+            )
+        )
+    choice = ex.choose(study, "trial", trial_number=1)
+    workdirs: list[Path] = []
+
+    class Runner:
+        closed = False
+
+        def submit(self, spec: TrialSpec, gpus: int) -> Any:
+            workdirs.append(Path(spec.workdir))
+            summary = {"p95_ttft_ms": 100.0, "p95_tpot_ms": 10.0, "output_throughput": 50.0}
+            future: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
+            future.set_result(
+                TrialResult(number=spec.number, status=TrialStatus.COMPLETE, summary=summary)
+            )
+            return SimpleNamespace(future=future)
+
+        def close(self) -> None:
+            self.closed = True
+
+    runner = Runner()
+    plans: list[Any] = []
+
+    def make_runner(plan: Any) -> Runner:
+        plans.append(plan)
+        return runner
+
+    val = ex.revalidate_job(
+        _job(tmp_path), tmp_path, study, choice, make_runner, label="here", runs=1
+    )
+    assert runner.closed and len(plans) == 1
+    assert len(workdirs) == 2
+    assert {w.parent.parent for w in workdirs} == {plans[0].out / "validation"}
+    assert all(w.parent.name.startswith("here-") for w in workdirs)
+    assert val.metrics
+
+
+def test_weights_parse_alike_for_the_cli_and_the_service() -> None:
+    assert ex.parse_weights(["output_throughput=2", "p95_ttft_ms=0.5"]) == {
+        "output_throughput": 2.0,
+        "p95_ttft_ms": 0.5,
+    }
+    for bad in ("output_throughput", "output_throughput=fast"):
+        with pytest.raises(ConfigError, match="expected OBJECTIVE=NUMBER"):
+            ex.parse_weights([bad])
