@@ -167,7 +167,7 @@ def main() -> int:
     for name in ("cold", "shared", "preload"):
         if name not in plans:
             continue
-        order = configs + [configs[0]] if name == "shared" else configs
+        order = [*configs, configs[0]] if name == "shared" else configs
         for k, args in enumerate(order):
             cache = Path(tempfile.mkdtemp(prefix="cold-", dir=out)) if name == "cold" else shared
             row = _start(
