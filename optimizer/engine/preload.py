@@ -1,10 +1,13 @@
 """A server's interpreter started ahead of its command line: vLLM imported, waiting to serve.
 
-``EngineProcess(preload=True).prepare()`` runs ``python -m optimizer.engine.preload GO MODULE``
-under the guard (same process group, same environment as the server itself would get). It
-imports ``MODULE`` (vLLM's OpenAI server module: vLLM, torch, transformers, FastAPI; no CUDA is
-initialised by importing), writes ``GO.ready``, and waits for the file ``GO``, which holds the
-server's arguments as JSON. Then it runs ``MODULE`` as ``__main__`` with those arguments,
+``EngineProcess(preload=True).prepare()`` runs ``python -m optimizer.engine.preload GO MODULE
+[EXTRA ...]`` under the guard (same process group, same environment as the server itself
+would get). It imports ``MODULE`` (vLLM's OpenAI server module: vLLM, torch, transformers,
+FastAPI; no CUDA is initialised by importing) and the ``EXTRA`` modules the engine core needs
+once vLLM forks it from this process (best effort: one that does not import is skipped),
+writes ``GO.ready`` (pid, import seconds, the extras imported, whether CUDA got initialised),
+and waits for the file ``GO``, which holds the server's arguments as JSON. Then it runs
+``MODULE`` as ``__main__`` with those arguments,
 exactly as ``python -m MODULE ARGS`` would, minus the imports it already did.
 
 What this changes is when the imports happen, not what is served: the same interpreter, the
@@ -32,14 +35,37 @@ _POLL_S = 0.01
 def main(argv: list[str] | None = None) -> int:
     """Import, announce readiness, wait for the arguments, run the server module."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
+    if len(args) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    go, module = Path(args[0]), args[1]
+    go, module, extras = Path(args[0]), args[1], args[2:]
     sys.argv = [module]  # nothing of the preload's own command line is seen by the import
+    t0 = time.monotonic()
     importlib.import_module(module)
+    imported = []
+    for name in extras:
+        # Modules the engine core imports after it is forked from this process; one this vLLM
+        # build lacks (or cannot import here) is simply left to the engine core, as before.
+        try:
+            importlib.import_module(name)
+            imported.append(name)
+        except Exception:
+            pass
+    torch = sys.modules.get("torch")
+    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    if cuda:  # vLLM would then spawn its engine core instead of forking it: say so
+        print("vllm-autotune preload: CUDA was initialised by an import", file=sys.stderr)
     ready = go.with_name(go.name + ".ready")
-    ready.write_text(str(os.getpid()))
+    ready.write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "import_s": round(time.monotonic() - t0, 3),
+                "extras": imported,
+                "cuda_initialized": cuda,
+            }
+        )
+    )
     while not go.exists():
         time.sleep(_POLL_S)
     doc = json.loads(go.read_text())

@@ -66,6 +66,17 @@ ENGINE_ID_ENV = "VLLM_AUTOTUNE_ENGINE_ID"
 #: The module the server runs (``python -m``; the CPU build's console script is broken).
 _MODULE = "vllm.entrypoints.openai.api_server"
 
+#: What the engine core imports once forked from the API server (GPU and CPU builds; a module
+#: a build lacks is skipped): imported by a preloaded interpreter too, they cost no start.
+_PRELOAD_EXTRAS = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.abstract",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.model_executor.models.llama",
+)
+
 #: How often a starting server's log and ``/health`` are read: the phases' resolution.
 _POLL_S = 0.2
 
@@ -306,7 +317,14 @@ class EngineProcess:
             raise RuntimeError("engine already prepared or started")
         for stale in (self._go_file, self._ready_file):
             stale.unlink(missing_ok=True)
-        command = [self.python, "-m", "optimizer.engine.preload", str(self._go_file), _MODULE]
+        command = [
+            self.python,
+            "-m",
+            "optimizer.engine.preload",
+            str(self._go_file),
+            _MODULE,
+            *_PRELOAD_EXTRAS,
+        ]
         self._launch(command, header=f"# vllm-autotune: preload {' '.join(command)}")
         self._prepared_at = time.monotonic()
 

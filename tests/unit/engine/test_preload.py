@@ -26,14 +26,25 @@ def test_imports_first_then_runs_as_main_with_the_arguments(tmp_path: Path) -> N
     root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "FAKE_OUT": str(out), "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "optimizer.engine.preload", str(go), "fake_vllm_server"], env=env
+        [
+            sys.executable,
+            "-m",
+            "optimizer.engine.preload",
+            str(go),
+            "fake_vllm_server",
+            "json",
+            "no_such_module_here",
+        ],
+        env=env,
     )
     try:
         ready = go.with_name(go.name + ".ready")
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ready.read_text() == str(proc.pid)
+        facts = json.loads(ready.read_text())
+        assert facts["pid"] == proc.pid and facts["cuda_initialized"] is False
+        assert facts["extras"] == ["json"]  # a module that does not import is skipped
         time.sleep(0.3)
         assert proc.poll() is None  # waiting for its arguments
         assert out.read_text() == "fake_vllm_server []\n"  # imported once, as a module
