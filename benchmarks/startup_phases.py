@@ -7,6 +7,8 @@ For a job's model, environment and engine arguments, each configuration (the bas
   what the first trials of a study pay on a fresh machine;
 - ``shared``: the configurations in turn on one cache folder (as the trials of a study share
   the study's cache), then the first configuration again (a resumed study, a re-validation);
+- ``pairs``: on that cache, each configuration started plain, then preloaded (below), so the
+  two see the same cache;
 - ``preload``: on that warm cache, each start from an interpreter that imported vLLM before
   the start was asked for (:mod:`optimizer.engine.preload`; the imports overlapped with a
   sleep that stands for the previous trial's replay, and their time is printed beside);
@@ -73,6 +75,7 @@ def _start(
             engine.prepare()
             while not (log.parent / (log.name + ".go.ready")).exists():
                 time.sleep(0.1)  # stands for the previous trial's replay
+            row["ready"] = json.loads((log.parent / (log.name + ".go.ready")).read_text())
         engine.start()
         row.update(
             startup_s=round(engine.startup_s or 0.0, 2),
@@ -164,21 +167,23 @@ def main() -> int:
         )
 
     plans = ns.plans.split(",")
-    for name in ("cold", "shared", "preload"):
+    for name in ("cold", "shared", "preload", "pairs"):
         if name not in plans:
             continue
         order = [*configs, configs[0]] if name == "shared" else configs
         for k, args in enumerate(order):
             cache = Path(tempfile.mkdtemp(prefix="cold-", dir=out)) if name == "cold" else shared
-            row = _start(
-                engine_cfg,
-                args,
-                cache,
-                out / f"{name}-{k}" / "engine.log",
-                preload=name == "preload",
-                timeout_s=ns.timeout,
-            )
-            keep({"plan": name, "again": name == "shared" and k == len(configs), **row})
+            # pairs: a plain start, then a preloaded one, of each configuration on one cache.
+            for label in ("plain", "preload") if name == "pairs" else (name,):
+                row = _start(
+                    engine_cfg,
+                    args,
+                    cache,
+                    out / f"{label}-{k}" / "engine.log",
+                    preload=label == "preload",
+                    timeout_s=ns.timeout,
+                )
+                keep({"plan": label, "again": name == "shared" and k == len(configs), **row})
     if "parity" in plans:
         for row in _parity(plan, out, shared, ns.timeout):
             keep(row)
@@ -186,7 +191,9 @@ def main() -> int:
     table = Table(title="startup by phase: median seconds per plan")
     table.add_column("phase")
     started = [r for r in rows if r.get("phases") and not r.get("again")]
-    names = [n for n in ("cold", "shared", "preload") if any(r["plan"] == n for r in started)]
+    names = [
+        n for n in ("cold", "shared", "plain", "preload") if any(r["plan"] == n for r in started)
+    ]
     for n in names:
         table.add_column(n, justify="right")
     for phase in (*PHASES, "total"):
