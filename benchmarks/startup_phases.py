@@ -138,6 +138,11 @@ def main() -> int:
     ap.add_argument("--configs", default=_DEFAULT_CONFIGS, help="JSON list of argument overrides")
     ap.add_argument("--out", default="runs/startup-phases")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--preload-first",
+        action="store_true",
+        help="pairs: the preloaded start first (it then meets the colder cache: conservative)",
+    )
     ns = ap.parse_args()
     console = Console(width=160)
     job, base = load_job(ns.job)
@@ -174,7 +179,8 @@ def main() -> int:
         for k, args in enumerate(order):
             cache = Path(tempfile.mkdtemp(prefix="cold-", dir=out)) if name == "cold" else shared
             # pairs: a plain start, then a preloaded one, of each configuration on one cache.
-            for label in ("plain", "preload") if name == "pairs" else (name,):
+            pair = ("preload", "plain") if ns.preload_first else ("plain", "preload")
+            for label in pair if name == "pairs" else (name,):
                 row = _start(
                     engine_cfg,
                     args,
