@@ -648,14 +648,28 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
 def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
     import optuna
 
+    from optimizer.service.security import redact_url
     from optimizer.study import create_storage
+    from optimizer.study_folder import portable_url, storage_url_of
 
     plan_file = folder / "plan.json"
     if not plan_file.exists():
         raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
     plan = json.loads(plan_file.read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
+    url = storage_url_of(plan, folder)
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+        raise ConfigError(
+            f"{folder}: its storage {portable_url(url, folder)} is missing; copy the study "
+            "folder whole (plan.json with study.db)"
+        )
+    try:
+        study = optuna.load_study(study_name=plan["study"], storage=create_storage(url))
+    except Exception as exc:  # a missing or foreign storage: say which, no traceback
+        raise ConfigError(
+            f"{folder}: cannot open study {plan.get('study')!r} in its storage "
+            f"{redact_url(portable_url(url, folder))}: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
     return plan, study
 
 

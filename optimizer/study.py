@@ -50,6 +50,7 @@ from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.engine.defaults import apply_engine_defaults, prompt_token_range
 from optimizer.errors import ConfigError
+from optimizer.study_folder import portable_url
 from optimizer.trial_view import (
     BASELINE_ATTR,
     TrialView,
@@ -327,6 +328,16 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
     )
+
+
+def _portable_job(plan: StudyPlan) -> dict[str, Any]:
+    """The job as ``plan.json`` keeps it: the study folder as ``.`` and the default storage
+    unset, both read against the folder the study is in now (:mod:`optimizer.study_folder`)."""
+    doc = plan.job.model_dump(mode="json")
+    doc["out"] = "."
+    if doc.get("storage") and portable_url(str(doc["storage"]), plan.out) == "study.db":
+        doc["storage"] = None  # the default, SQLite in the study folder: read against it
+    return doc
 
 
 def create_storage(
@@ -754,7 +765,7 @@ class StudyDriver:
     def _write_plan(self) -> None:
         doc = {
             "study": self.plan.job.name,
-            "storage": self.plan.storage_url,
+            "storage": portable_url(self.plan.storage_url, self.plan.out),
             "vllm": self.plan.vllm,
             "trace": self.plan.job.trace.path,
             "trace_notes": list(self.plan.trace_notes),
@@ -765,7 +776,7 @@ class StudyDriver:
             "slos": [str(s) for s in self.plan.objectives.slos],
             "driver": _driver_identity(),
             "hardware": _hardware(self.plan.context.cpu_build),
-            "job": {**self.plan.job.model_dump(mode="json"), "out": str(self.plan.out)},
+            "job": _portable_job(self.plan),
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
