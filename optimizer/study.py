@@ -262,7 +262,6 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     from optimizer.engine.models import make_model, model_info
 
     out = job.output_dir(base)
-    out.mkdir(parents=True, exist_ok=True)
     model = job.model.path
     if job.model.make and not (Path(model) / "config.json").exists():
         make_model(model, job.model.make, max_model_len=job.model.max_model_len)
@@ -314,6 +313,8 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     problems = check_constraints(baseline, ctx)
     if problems:
         raise ConfigError("the baseline configuration is invalid: " + "; ".join(problems))
+    # Only now: a job that fails validation leaves no empty study folder behind.
+    out.mkdir(parents=True, exist_ok=True)
     return StudyPlan(
         job=job,
         out=out,

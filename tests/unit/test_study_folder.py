@@ -97,3 +97,32 @@ def test_storage_outside_the_folder_is_kept_as_given(tmp_path: Path) -> None:
     shared = f"sqlite:///{tmp_path / 'shared.db'}"
     assert resolve_url(shared, tmp_path / "x", str(tmp_path / "old")) == shared
     assert resolve_url("postgresql://u@h/db", tmp_path) == "postgresql://u@h/db"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"trace": {"path": "missing.csv"}},
+        {"trace": {"path": "bad.csv"}},
+        {"objectives": {"preset": "default", "slos": ["p95_tfft_ms<=400"]}},
+    ],
+    ids=["missing trace", "bad row", "SLO typo"],
+)
+def test_a_failed_start_leaves_no_study_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, Any]
+) -> None:
+    import yaml
+
+    (tmp_path / "bad.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,not-a-number,12\n"
+    )
+    doc = {**fake_job(tmp_path), "out": "runs/new-study", "mlflow": {"enabled": False}}
+    for key, value in change.items():
+        doc[key] = {**doc[key], **value}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    assert cli.main(["tune", str(tmp_path / "job.yaml"), "--runner", "local"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "new-study").exists()
+    assert not (tmp_path / "runs").exists()
