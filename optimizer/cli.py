@@ -539,8 +539,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             console.print(text)
             if r.message and r.status.value != "complete":
                 console.print(f"  [dim]{r.message[:300]}[/]")
-        elif ev.kind in ("rejected", "retry", "stale"):
-            console.print(f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}")
+        elif ev.kind in ("rejected", "retry", "stale", "enqueued", "enqueue_refused"):
+            console.print(_event_line(ev))
         if driver is not None and ev.kind in ("finished", "rejected"):
             st = study_status(driver.study)
             left = driver.budget_left()
@@ -578,6 +578,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     )
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _event_line(ev: Any) -> str:
+    """A study event that is not a trial's start or end, as the tune console prints it."""
+    if ev.kind == "enqueue_refused":
+        return f"[yellow]enqueue: not run[/]: {ev.detail[:400]}"
+    return f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}"
 
 
 def _chain(*handlers: Any) -> Any:

@@ -157,7 +157,9 @@ class StudyEvent:
     """Something a progress display or tracker wants to know.
 
     Attributes:
-        kind: ``started``, ``finished``, ``rejected``, ``retry`` or ``stale``.
+        kind: ``started``, ``finished``, ``rejected``, ``retry``, ``stale``, ``enqueued`` (a
+            configuration of the job's ``enqueue:`` added on resume) or ``enqueue_refused``
+            (those not added: the trial count is reached; ``number`` -1).
         number: Optuna trial number.
         result: The trial's result (``finished``).
         trial: The frozen trial after ``tell`` (``finished``, ``rejected``).
@@ -566,6 +568,49 @@ class StudyDriver:
         elif lost.params:
             self.study.enqueue_trial(lost.params, user_attrs={"retry_of": lost.number})
 
+    def _enqueue_on_resume(self, trials: list[FrozenTrial]) -> None:
+        """A resumed study runs the job's ``enqueue:`` configurations it does not hold yet.
+
+        One the study already holds (measured, running or waiting) is not run twice; when the
+        trial count is already reached, the study says so instead of dropping them silently.
+        """
+
+        def key(params: dict[str, Any]) -> str:
+            return json.dumps(params, sort_keys=True, default=str)
+
+        held = {key(t.params or t.system_attrs.get("fixed_params") or {}) for t in trials}
+        new = []
+        for args in self.plan.job.enqueue:
+            params = self.plan.space.enqueue_params(args)
+            if key(params) not in held:
+                held.add(key(params))
+                new.append((args, params))
+        if not new:
+            return
+        left = self.remaining()
+        if left == 0:
+            names = "; ".join(json.dumps(a, sort_keys=True, default=str) for a, _ in new)
+            self.on_event(
+                StudyEvent(
+                    "enqueue_refused",
+                    -1,
+                    detail=f"the study already holds its {self.plan.job.trials} trials: "
+                    f"{names} not run; raise the trial count (--trials) to run them",
+                )
+            )
+            return
+        for args, params in new:
+            self.study.enqueue_trial(params, user_attrs={"enqueued": True})
+            number = self.study.get_trials(deepcopy=False)[-1].number
+            self.on_event(
+                StudyEvent(
+                    "enqueued",
+                    number,
+                    detail=json.dumps(args, sort_keys=True, default=str)
+                    + " (from the job's enqueue:, new since the study started)",
+                )
+            )
+
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self) -> optuna.Study:
@@ -579,6 +624,8 @@ class StudyDriver:
                 self.study.enqueue_trial(
                     self.plan.space.enqueue_params(args), user_attrs={"enqueued": True}
                 )
+        else:
+            self._enqueue_on_resume(trials)
         try:
             self._loop()
         finally:
