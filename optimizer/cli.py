@@ -534,6 +534,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
                     f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
                     f"{s.get('output_throughput', 0):.1f} tok/s"
                 )
+            text += _slo_note(ev.trial)
             if r.startup_s:
                 text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
             console.print(text)
@@ -578,6 +579,19 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     )
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _slo_note(trial: Any) -> str:
+    """ "  SLOs met" / "  ✗SLO missed: p95_tpot_ms<=50" for a measured trial ("" otherwise)."""
+    from optimizer.trial_view import TrialView
+
+    if trial is None or not TrialView(trial).measured:
+        return ""
+    verdicts = {k: v for k, v in TrialView(trial).slo_verdicts().items() if k != "engine_served"}
+    missed = [k for k, ok in verdicts.items() if not ok]
+    if not verdicts:
+        return ""
+    return "  [yellow]✗SLO missed: " + ", ".join(missed) + "[/]" if missed else "  SLOs met"
 
 
 def _event_line(ev: Any) -> str:
@@ -1100,7 +1114,21 @@ def _quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", message=r".*is an experimental feature")
     warnings.filterwarnings("ignore", message=r".*is experimental \(supported from")
-    logging.getLogger("optuna").setLevel(logging.WARNING)
+    import optuna
+
+    # Optuna sets its own level when first imported: set it through Optuna, after the import
+    # ("A new study created in memory ..." lines come from in-memory studies of the analysis).
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    quiet = {
+        # An empty feasible front is said by our own tables; the plot just has no points.
+        "optuna.visualization._pareto_front": logging.ERROR,
+        # MLflow's embedded SQLite store announces its table creation and migrations.
+        "mlflow.store.db.utils": logging.WARNING,
+        "alembic": logging.WARNING,
+        "alembic.runtime.migration": logging.WARNING,
+    }
+    for name, level in quiet.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
