@@ -749,10 +749,11 @@ def cmd_export(ns: argparse.Namespace) -> int:
         f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
     if ns.no_validate:
-        gain = ex.unvalidated_gain(study, choice)
+        gain = _gain_without_validation(study, choice)
     else:
         val = _revalidate(ns, folder, saved, study, choice)
         console.print(_validation_table(val, ns.runs))
+        _print_verdict(val, study, choice)
         gain, problems = ex.verdict(val, choice.policy, force=ns.force)
         if problems and not ns.force:
             err_console.print(
@@ -766,7 +767,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     )
     unknown: list[str] = []
     if ns.format == "ray-serve":
-        unknown = _ray_llm_unknown_flags(list(ctx.deploy_args()))
+        ctx, unknown = _ray_serve_check(ctx)
     text = ex.render(ns.format, ctx, unknown_flags=unknown)
     if ns.chart_schema:
         problems = ex.helm_schema_problems(yaml.safe_load(text), Path(ns.chart_schema))
@@ -833,6 +834,25 @@ def _revalidate(
         runner.close()
 
 
+def _print_verdict(val: Any, study: Any, choice: Any) -> None:
+    """Which gains cleared the noise of the re-runs, and the policy's own result."""
+    from optimizer import export as ex
+
+    for line in ex.verdict_lines(val, study, choice):
+        console.print(f"  {line}")
+
+
+def _gain_without_validation(study: Any, choice: Any) -> str:
+    """``--no-validate``: an earlier re-validation of the same trial, else the study's values."""
+    from optimizer import export as ex
+
+    stored = ex.stored_gain(study, choice.chosen.number)
+    if stored is not None:
+        console.print(f"not re-run: reusing the earlier re-validation of this trial: {stored}")
+        return stored
+    return str(ex.unvalidated_gain(study, choice))
+
+
 def _validation_table(val: Any, runs: int) -> Table:
     table = Table(title=f"re-validation: {runs} runs each, medians and ranges")
     for col in ("objective", "baseline", "chosen", "gain (range)"):
@@ -850,8 +870,22 @@ def _validation_table(val: Any, runs: int) -> Table:
     return table
 
 
-def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
-    """Flags that cannot be confirmed for the vLLM version ``ray[llm]`` pins."""
+def _ray_serve_check(ctx: Any) -> tuple[Any, list[str]]:
+    """The Ray Serve export's flag check: the context with a header note when the flags could
+    not be checked against the vLLM ``ray[llm]`` pins, and the flags that vLLM rejects."""
+    import dataclasses
+
+    unknown, note = _ray_llm_unknown_flags(list(ctx.deploy_args()))
+    if note:
+        console.print(f"[yellow]{note}[/]")
+        ctx = dataclasses.replace(ctx, notes=(*ctx.notes, note))
+    return ctx, unknown
+
+
+def _ray_llm_unknown_flags(flags: list[str]) -> tuple[list[str], str]:
+    """Flags the vLLM that ``ray[llm]`` pins does not accept, and a note when that could not
+    be checked (no pin found, or the installed vLLM is another version): then no flag is
+    claimed unknown, the note says what was and was not checked."""
     import importlib.metadata as md
     import re
 
@@ -860,7 +894,7 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     try:
         reqs = md.requires("ray") or []
     except md.PackageNotFoundError:
-        return flags
+        return [], "Ray is not installed here: the flags were not checked against ray[llm]'s vLLM"
     pin = next(
         (
             m.group(1)
@@ -872,15 +906,15 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     try:
         inst = installed_vllm()
     except ConfigError:
-        return flags
-    if pin is None or inst.version != pin:
-        console.print(
-            f"[yellow]ray[llm] pins vLLM {pin}; installed is {inst.version}: "
-            "tuned flags are marked unverified in the export[/]"
-        )
-        return flags
+        return [], "no vLLM installed here: the flags were not checked against ray[llm]'s vLLM"
     known = accepted_flags(inst)
-    return [f for f in flags if f not in known]
+    rejected = [f for f in flags if f not in known]
+    if pin is None or inst.version != pin:
+        return rejected, (
+            f"ray[llm] pins vLLM {pin or '(no pin found)'}; the flags were checked against "
+            f"the vLLM installed here ({inst.version}) only"
+        )
+    return rejected, ""
 
 
 # --- wiring -----------------------------------------------------------------------------------
