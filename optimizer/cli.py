@@ -559,8 +559,9 @@ def _job_with_overrides(ns: argparse.Namespace) -> tuple[Any, Any]:
     return job, base
 
 
-def _finished_trial_line(number: int, r: Any) -> str:
-    """One line for a finished trial: status, then its capacity or its latencies, then timings."""
+def _finished_trial_line(number: int, r: Any, trial: Any = None) -> str:
+    """One line for a finished trial: status, then its capacity or its latencies, which SLO it
+    missed, then timings."""
     s = r.summary
     text = f"[cyan]trial {number}[/] {r.status.value}"
     if r.failure_class:
@@ -581,6 +582,7 @@ def _finished_trial_line(number: int, r: Any) -> str:
             f"p95 TPOT {s.get('p95_tpot_ms', float('nan')):.1f} ms, "
             f"{s.get('output_throughput', 0):.1f} tok/s"
         )
+    text += _slo_note(trial)
     if r.startup_s:
         text += f"  [dim](startup {r.startup_s:.0f} s, replay {r.replay_s or 0:.0f} s)[/]"
     return text
@@ -623,11 +625,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             console.print(f"[cyan]trial {ev.number}[/] started: {ev.detail}")
         elif ev.kind == "finished" and ev.result is not None:
             r = ev.result
-            console.print(_finished_trial_line(ev.number, r))
+            console.print(_finished_trial_line(ev.number, r, ev.trial))
             if r.message and r.status.value != "complete":
                 console.print(f"  [dim]{r.message[:300]}[/]")
-        elif ev.kind in ("rejected", "retry", "stale"):
-            console.print(f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}")
+        elif ev.kind in ("rejected", "retry", "stale", "enqueued", "enqueue_refused"):
+            console.print(_event_line(ev))
         if driver is not None and ev.kind in ("finished", "rejected"):
             console.print(_study_progress_line(driver, elapsed))
 
@@ -657,6 +659,26 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     )
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _slo_note(trial: Any) -> str:
+    """ "  SLOs met" / "  ✗SLO missed: p95_tpot_ms<=50" for a measured trial ("" otherwise)."""
+    from optimizer.trial_view import TrialView
+
+    if trial is None or not TrialView(trial).measured:
+        return ""
+    verdicts = {k: v for k, v in TrialView(trial).slo_verdicts().items() if k != "engine_served"}
+    missed = [k for k, ok in verdicts.items() if not ok]
+    if not verdicts:
+        return ""
+    return "  [yellow]✗SLO missed: " + ", ".join(missed) + "[/]" if missed else "  SLOs met"
+
+
+def _event_line(ev: Any) -> str:
+    """A study event that is not a trial's start or end, as the tune console prints it."""
+    if ev.kind == "enqueue_refused":
+        return f"[yellow]enqueue: not run[/]: {ev.detail[:400]}"
+    return f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}"
 
 
 def _chain(*handlers: Any) -> Any:
@@ -739,14 +761,28 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
 def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
     import optuna
 
+    from optimizer.service.security import redact_url
     from optimizer.study import create_storage
+    from optimizer.study_folder import portable_url, storage_url_of
 
     plan_file = folder / "plan.json"
     if not plan_file.exists():
         raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
     plan = json.loads(plan_file.read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
+    url = storage_url_of(plan, folder)
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+        raise ConfigError(
+            f"{folder}: its storage {portable_url(url, folder)} is missing; copy the study "
+            "folder whole (plan.json with study.db)"
+        )
+    try:
+        study = optuna.load_study(study_name=plan["study"], storage=create_storage(url))
+    except Exception as exc:  # a missing or foreign storage: say which, no traceback
+        raise ConfigError(
+            f"{folder}: cannot open study {plan.get('study')!r} in its storage "
+            f"{redact_url(portable_url(url, folder))}: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
     return plan, study
 
 
@@ -805,10 +841,11 @@ def cmd_export(ns: argparse.Namespace) -> int:
         f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
     if ns.no_validate:
-        gain = ex.unvalidated_gain(study, choice)
+        gain = _gain_without_validation(study, choice)
     else:
         val = _revalidate(ns, folder, saved, study, choice)
         console.print(_validation_table(val, ns.runs))
+        _print_verdict(val, study, choice)
         gain, problems = ex.verdict(val, choice.policy, force=ns.force)
         if problems and not ns.force:
             err_console.print(
@@ -822,7 +859,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     )
     unknown: list[str] = []
     if ns.format == "ray-serve":
-        unknown = _ray_llm_unknown_flags(list(ctx.deploy_args()))
+        ctx, unknown = _ray_serve_check(ctx)
     text = ex.render(ns.format, ctx, unknown_flags=unknown)
     if ns.chart_schema:
         problems = ex.helm_schema_problems(yaml.safe_load(text), Path(ns.chart_schema))
@@ -882,6 +919,25 @@ def _revalidate(
     )
 
 
+def _print_verdict(val: Any, study: Any, choice: Any) -> None:
+    """Which gains cleared the noise of the re-runs, and the policy's own result."""
+    from optimizer import export as ex
+
+    for line in ex.verdict_lines(val, study, choice):
+        console.print(f"  {line}")
+
+
+def _gain_without_validation(study: Any, choice: Any) -> str:
+    """``--no-validate``: an earlier re-validation of the same trial, else the study's values."""
+    from optimizer import export as ex
+
+    stored = ex.stored_gain(study, choice.chosen.number)
+    if stored is not None:
+        console.print(f"not re-run: reusing the earlier re-validation of this trial: {stored}")
+        return stored
+    return str(ex.unvalidated_gain(study, choice))
+
+
 def _validation_table(val: Any, runs: int) -> Table:
     table = Table(title=f"re-validation: {runs} runs each, medians and ranges")
     for col in ("objective", "baseline", "chosen", "gain (range)"):
@@ -899,8 +955,22 @@ def _validation_table(val: Any, runs: int) -> Table:
     return table
 
 
-def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
-    """Flags that cannot be confirmed for the vLLM version ``ray[llm]`` pins."""
+def _ray_serve_check(ctx: Any) -> tuple[Any, list[str]]:
+    """The Ray Serve export's flag check: the context with a header note when the flags could
+    not be checked against the vLLM ``ray[llm]`` pins, and the flags that vLLM rejects."""
+    import dataclasses
+
+    unknown, note = _ray_llm_unknown_flags(list(ctx.deploy_args()))
+    if note:
+        console.print(f"[yellow]{note}[/]")
+        ctx = dataclasses.replace(ctx, notes=(*ctx.notes, note))
+    return ctx, unknown
+
+
+def _ray_llm_unknown_flags(flags: list[str]) -> tuple[list[str], str]:
+    """Flags the vLLM that ``ray[llm]`` pins does not accept, and a note when that could not
+    be checked (no pin found, or the installed vLLM is another version): then no flag is
+    claimed unknown, the note says what was and was not checked."""
     import importlib.metadata as md
     import re
 
@@ -909,7 +979,7 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     try:
         reqs = md.requires("ray") or []
     except md.PackageNotFoundError:
-        return flags
+        return [], "Ray is not installed here: the flags were not checked against ray[llm]'s vLLM"
     pin = next(
         (
             m.group(1)
@@ -921,15 +991,15 @@ def _ray_llm_unknown_flags(flags: list[str]) -> list[str]:
     try:
         inst = installed_vllm()
     except ConfigError:
-        return flags
-    if pin is None or inst.version != pin:
-        console.print(
-            f"[yellow]ray[llm] pins vLLM {pin}; installed is {inst.version}: "
-            "tuned flags are marked unverified in the export[/]"
-        )
-        return flags
+        return [], "no vLLM installed here: the flags were not checked against ray[llm]'s vLLM"
     known = accepted_flags(inst)
-    return [f for f in flags if f not in known]
+    rejected = [f for f in flags if f not in known]
+    if pin is None or inst.version != pin:
+        return rejected, (
+            f"ray[llm] pins vLLM {pin or '(no pin found)'}; the flags were checked against "
+            f"the vLLM installed here ({inst.version}) only"
+        )
+    return rejected, ""
 
 
 # --- wiring -----------------------------------------------------------------------------------
@@ -1163,7 +1233,21 @@ def _quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", message=r".*is an experimental feature")
     warnings.filterwarnings("ignore", message=r".*is experimental \(supported from")
-    logging.getLogger("optuna").setLevel(logging.WARNING)
+    import optuna
+
+    # Optuna sets its own level when first imported: set it through Optuna, after the import
+    # ("A new study created in memory ..." lines come from in-memory studies of the analysis).
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    quiet = {
+        # An empty feasible front is said by our own tables; the plot just has no points.
+        "optuna.visualization._pareto_front": logging.ERROR,
+        # MLflow's embedded SQLite store announces its table creation and migrations.
+        "mlflow.store.db.utils": logging.WARNING,
+        "alembic": logging.WARNING,
+        "alembic.runtime.migration": logging.WARNING,
+    }
+    for name, level in quiet.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,8 +27,14 @@ __all__ = [
     "front_table",
     "gain_pct",
     "status_table",
+    "study_slos",
     "study_status",
 ]
+
+# Without SLOs every told trial carries this one constraint (optimizer.study): not an SLO.
+_SERVED = "engine_served"
+# Statuses of trials whose engine never served the trace: no SLO was measured.
+_NOT_RUN = ("rejected", "duplicate", "failed", "cancelled", "driver_died", "invalid_replay")
 
 
 @dataclass(frozen=True)
@@ -140,9 +146,29 @@ def front_rows(study: optuna.Study) -> list[FrontRow]:
     return rows
 
 
+def study_slos(study: optuna.Study) -> list[str]:
+    """The study's SLOs, as its trials were told them (constraint names), in order."""
+    told = (t for t in study.get_trials(deepcopy=False) if t.constraints)
+    first = next(told, None)
+    return [k for k in first.constraints if k != _SERVED] if first is not None else []
+
+
+def _missed(trial: FrozenTrial) -> list[str]:
+    return [k for k, v in TrialView(trial).slo_verdicts().items() if not v and k != _SERVED]
+
+
+def _slo_caption(study: optuna.Study) -> str:
+    slos = study_slos(study)
+    return "SLOs: " + (", ".join(slos) if slos else "none (feasible: the engine served)")
+
+
 def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs baseline") -> Table:
     """The front as a rich table: values, gain over the baseline, what changed."""
-    table = Table(title=title)
+    table = Table(
+        title=title,
+        caption=_slo_caption(study)
+        + ". (+x%) better than the baseline, (-x%) worse; ↓ lower is better, ↑ higher is better",
+    )
     table.add_column("trial", justify="right")
     names = metric_names(study)
     for name, d in zip(names, study.directions, strict=True):
@@ -159,7 +185,8 @@ def front_table(study: optuna.Study, title: str = "Pareto front (feasible) vs ba
             cells.append(text)
         label = f"{row.number} (baseline)" if row.baseline else str(row.number)
         if row.baseline and not row.feasible:
-            label += " ✗SLO"
+            missed = _missed(base) if base is not None else []
+            label += " ✗SLO" + (f" missed: {', '.join(missed)}" if missed else "")
             if all(math.isnan(v) for v in row.values):
                 status = TrialView(base).status if base is not None else "-"
                 label += f" ({status})"
@@ -208,7 +235,10 @@ def study_status(study: optuna.Study) -> StudyStatus:
 
 def status_table(study: optuna.Study) -> Table:
     """Every trial: state, status, failure class, objective values."""
-    table = Table(title=f"study {study.study_name}")
+    table = Table(
+        title=f"study {study.study_name}",
+        caption=_slo_caption(study) + ". * partial: measured until an early stop",
+    )
     table.add_column("trial", justify="right")
     table.add_column("status")
     names = metric_names(study)
@@ -219,15 +249,37 @@ def status_table(study: optuna.Study) -> Table:
     for t in study.get_trials(deepcopy=False):
         view = TrialView(t)
         status = view.status + (" (baseline)" if view.is_baseline else "")
-        vals = (
-            [f"{v:,.1f}" for v in t.values]
-            if t.values and status.startswith("complete")
-            else ["-"] * len(names)
-        )
-        verdicts = view.slo_verdicts()
-        slo = "-" if not verdicts else ("met" if all(verdicts.values()) else "missed")
+        vals = _values(t, names)
         detail = view.failure_class or ", ".join(
             f"{k}={v}" for k, v in sorted(view.engine_args.items()) if k not in ("load-format",)
         )
-        table.add_row(str(t.number), status, *vals, slo, detail)
+        table.add_row(str(t.number), status, *vals, _slo_cell(t), detail)
     return table
+
+
+def _values(t: FrozenTrial, names: list[str]) -> list[str]:
+    """A trial's objective values: measured ones, a stopped replay's partial ones (marked *),
+    or "-" (placeholders of a failure are never shown)."""
+    view = TrialView(t)
+    if t.values and view.measured:
+        return [f"{v:,.1f}" for v in t.values]
+    if view.partial:
+        summary = view.summary
+        return [
+            f"{summary[n]:,.1f}*" if n in summary and not math.isnan(summary[n]) else "-"
+            for n in names
+        ]
+    return ["-"] * len(names)
+
+
+def _slo_cell(t: FrozenTrial) -> str:
+    """Which SLOs a trial met or missed; a trial that never served says so, not "missed"."""
+    view = TrialView(t)
+    verdicts = {k: v for k, v in view.slo_verdicts().items() if k != _SERVED}
+    if view.status in _NOT_RUN or view.status == "running" or not verdicts:
+        return "not measured" if view.status in _NOT_RUN else "-"
+    stop = view.stopped_by
+    if stop:
+        return f"stopped by {stop}"
+    missed = _missed(t)
+    return "met" if not missed else "missed: " + ", ".join(missed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -207,8 +208,15 @@ def start_ray(
         kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
         if node_ip in _LOOPBACK:
             _single_node_ray()
-    # A small object store: trial results are records, not tensors.
-    ray.init(object_store_memory=256 * 1024**2, **kwargs)
+    # A small object store: trial results are records, not tensors. The cluster is this
+    # process's own, for one study: Ray's notice about token authentication is not the user's.
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth.level
+    auth.setLevel(logging.ERROR)
+    try:
+        ray.init(object_store_memory=256 * 1024**2, **kwargs)
+    finally:
+        auth.setLevel(level)
 
 
 def cluster_gpus() -> int:

@@ -54,6 +54,7 @@ from optimizer.engine.defaults import (
     prompt_token_range,
 )
 from optimizer.errors import ConfigError
+from optimizer.study_folder import portable_url
 from optimizer.trial_view import (
     BASELINE_ATTR,
     TrialView,
@@ -161,7 +162,9 @@ class StudyEvent:
     """Something a progress display or tracker wants to know.
 
     Attributes:
-        kind: ``started``, ``finished``, ``rejected``, ``retry`` or ``stale``.
+        kind: ``started``, ``finished``, ``rejected``, ``retry``, ``stale``, ``enqueued`` (a
+            configuration of the job's ``enqueue:`` added on resume) or ``enqueue_refused``
+            (those not added: the trial count is reached; ``number`` -1).
         number: Optuna trial number.
         result: The trial's result (``finished``).
         trial: The frozen trial after ``tell`` (``finished``, ``rejected``).
@@ -266,7 +269,6 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     from optimizer.engine.models import make_model, model_info
 
     out = job.output_dir(base)
-    out.mkdir(parents=True, exist_ok=True)
     model = job.model.path
     if job.model.make and not (Path(model) / "config.json").exists():
         make_model(model, job.model.make, max_model_len=job.model.max_model_len)
@@ -318,6 +320,8 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     problems = check_constraints(baseline, ctx)
     if problems:
         raise ConfigError("the baseline configuration is invalid: " + "; ".join(problems))
+    # Only now: a job that fails validation leaves no empty study folder behind.
+    out.mkdir(parents=True, exist_ok=True)
     return StudyPlan(
         job=job,
         out=out,
@@ -332,6 +336,16 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
     )
+
+
+def _portable_job(plan: StudyPlan) -> dict[str, Any]:
+    """The job as ``plan.json`` keeps it: the study folder as ``.`` and the default storage
+    unset, both read against the folder the study is in now (:mod:`optimizer.study_folder`)."""
+    doc = plan.job.model_dump(mode="json")
+    doc["out"] = "."
+    if doc.get("storage") and portable_url(str(doc["storage"]), plan.out) == "study.db":
+        doc["storage"] = None  # the default, SQLite in the study folder: read against it
+    return doc
 
 
 def create_storage(
@@ -559,6 +573,49 @@ class StudyDriver:
         elif lost.params:
             self.study.enqueue_trial(lost.params, user_attrs={"retry_of": lost.number})
 
+    def _enqueue_on_resume(self, trials: list[FrozenTrial]) -> None:
+        """A resumed study runs the job's ``enqueue:`` configurations it does not hold yet.
+
+        One the study already holds (measured, running or waiting) is not run twice; when the
+        trial count is already reached, the study says so instead of dropping them silently.
+        """
+
+        def key(params: dict[str, Any]) -> str:
+            return json.dumps(params, sort_keys=True, default=str)
+
+        held = {key(t.params or t.system_attrs.get("fixed_params") or {}) for t in trials}
+        new = []
+        for args in self.plan.job.enqueue:
+            params = self.plan.space.enqueue_params(args)
+            if key(params) not in held:
+                held.add(key(params))
+                new.append((args, params))
+        if not new:
+            return
+        left = self.remaining()
+        if left == 0:
+            names = "; ".join(json.dumps(a, sort_keys=True, default=str) for a, _ in new)
+            self.on_event(
+                StudyEvent(
+                    "enqueue_refused",
+                    -1,
+                    detail=f"the study already holds its {self.plan.job.trials} trials: "
+                    f"{names} not run; raise the trial count (--trials) to run them",
+                )
+            )
+            return
+        for args, params in new:
+            self.study.enqueue_trial(params, user_attrs={"enqueued": True})
+            number = self.study.get_trials(deepcopy=False)[-1].number
+            self.on_event(
+                StudyEvent(
+                    "enqueued",
+                    number,
+                    detail=json.dumps(args, sort_keys=True, default=str)
+                    + " (from the job's enqueue:, new since the study started)",
+                )
+            )
+
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self) -> optuna.Study:
@@ -572,6 +629,8 @@ class StudyDriver:
                 self.study.enqueue_trial(
                     self.plan.space.enqueue_params(args), user_attrs={"enqueued": True}
                 )
+        else:
+            self._enqueue_on_resume(trials)
         try:
             self._loop()
         finally:
@@ -759,7 +818,7 @@ class StudyDriver:
     def _write_plan(self) -> None:
         doc = {
             "study": self.plan.job.name,
-            "storage": self.plan.storage_url,
+            "storage": portable_url(self.plan.storage_url, self.plan.out),
             "vllm": self.plan.vllm,
             "trace": self.plan.job.trace.path,
             "trace_notes": list(self.plan.trace_notes),
@@ -770,7 +829,7 @@ class StudyDriver:
             "slos": [str(s) for s in self.plan.objectives.slos],
             "driver": _driver_identity(),
             "hardware": _hardware(self.plan.context.cpu_build),
-            "job": {**self.plan.job.model_dump(mode="json"), "out": str(self.plan.out)},
+            "job": _portable_job(self.plan),
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -61,6 +61,13 @@ from optimizer.analysis.hypervolume import hypervolume_history
 from optimizer.analysis.plots import latency_cdf, plot_front
 from optimizer.errors import ConfigError
 from optimizer.study import StudyEvent, StudyPlan, create_storage
+from optimizer.study_folder import (
+    portable_path,
+    portable_url,
+    resolve_path,
+    resolve_url,
+    storage_url_of,
+)
 from optimizer.trial_view import TrialView, metric_names
 
 __all__ = [
@@ -185,11 +192,14 @@ def _write_review_inputs(plan: StudyPlan, target: TrackingTarget) -> None:
     (folder / "trace.json").write_text(json.dumps(trace, indent=2, default=str) + "\n")
     meta = {
         "study": target.study,
-        "storage": target.storage_url,
-        "tracking_uri": target.tracking_uri,
+        # Relative to the study folder where inside it: a copied folder stays self-contained.
+        "storage": portable_url(target.storage_url, plan.out),
+        "tracking_uri": portable_url(target.tracking_uri, plan.out),
         "experiment": target.experiment,
         "sampler": target.sampler,
-        "artifact_root": str(target.artifact_root) if target.artifact_root else None,
+        "artifact_root": (
+            portable_path(target.artifact_root, plan.out) if target.artifact_root else None
+        ),
         "model": plan.engine.model,
         "search_space": plan.space.name,
     }
@@ -949,17 +959,26 @@ def _target_for_dir(
     if not plan.get("study") or not plan.get("storage"):
         raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
     meta = _read_json(folder / REVIEW_DIR / "mlflow.json")
-    uri = tracking_uri or meta.get("tracking_uri") or local_tracking_uri(folder)
+    job = plan.get("job")
+    old_out = job.get("out") if isinstance(job, dict) else None
+    old_out = old_out if isinstance(old_out, str) else None
+    recorded_uri = meta.get("tracking_uri")
+    uri = tracking_uri or (
+        resolve_url(str(recorded_uri), folder, old_out)
+        if recorded_uri
+        else local_tracking_uri(folder)
+    )
     local = "://" not in uri or uri.startswith(("sqlite:", "file:"))
     root = meta.get("artifact_root")
+    root = resolve_path(str(root), folder, old_out) if root else None
     target = TrackingTarget(
         study=str(plan["study"]),
-        storage_url=str(plan["storage"]),
+        storage_url=storage_url_of(plan, folder),
         out=folder,
         tracking_uri=uri,
         experiment=experiment or meta.get("experiment") or str(plan["study"]),
         sampler=str(meta.get("sampler") or ""),
-        artifact_root=(Path(root) if root and not tracking_uri else folder / "mlartifacts")
+        artifact_root=(root if root and not tracking_uri else folder / "mlartifacts")
         if local
         else None,
     )

@@ -195,6 +195,15 @@ class TrialView:
         return self.status == "infeasible" or bool(self.summary.get("partial"))
 
     @property
+    def stopped_by(self) -> str:
+        """The SLO whose early stop ended the replay ("" when it was not stopped early)."""
+        message = self.message
+        if self.status != "infeasible" or "SLO out of reach: " not in message:
+            return ""
+        rest = message.split("SLO out of reach: ", 1)[1]
+        return rest.split(" can no longer be met", 1)[0].strip()
+
+    @property
     def capacity(self) -> CapacityView | None:
         """The capacity search, for capacity trials."""
         doc = self.trial.user_attrs.get("capacity")

@@ -357,6 +357,7 @@ def study_json(
                 "values": list(t.values) if t.values and v.measured else None,
                 "summary": {k: (None if math.isnan(x) else x) for k, x in v.summary.items()},
                 "partial": v.partial,
+                "stopped_by": v.stopped_by or None,
                 "slos": v.slo_verdicts(),
                 "message": v.message,
                 "capacity": cap if isinstance(cap, Mapping) else None,

@@ -24,6 +24,7 @@ from optimizer.export.render import (
     write_export,
 )
 from optimizer.export.revalidate import Validation, primary_metrics, validate_choice
+from optimizer.export.verdict import stored_gain, verdict_lines
 from optimizer.export.workflow import (
     Choice,
     Submit,
@@ -55,9 +56,11 @@ __all__ = [
     "revalidate",
     "revalidate_job",
     "select_trial",
+    "stored_gain",
     "trace_label",
     "unvalidated_gain",
     "validate_choice",
     "verdict",
+    "verdict_lines",
     "write_export",
 ]

@@ -72,6 +72,35 @@ class ExportContext:
     gpus: int = 1
     env: dict[str, str] = field(default_factory=dict)
     capacity: str = ""
+    python: str = "python3"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def random_weights(self) -> bool:
+        """Tuned with ``load-format: dummy``: the model folder had no weights."""
+        return self.args.get("load-format") == "dummy"
+
+    def local_args(self) -> dict[str, Any]:
+        """Arguments for a server on the tuning machine (vllm-config, vllm-cli): the deployed
+        ones, plus ``load-format: dummy`` when the study served random weights."""
+        args = self.deploy_args()
+        return {"load-format": "dummy", **args} if self.random_weights else args
+
+    def local_notes(self) -> list[str]:
+        """What a user of a local export must know: random weights, the server environment."""
+        lines = []
+        if self.random_weights:
+            lines.append(
+                "Weights: the model folder has no weight files; the study served random "
+                "weights (load-format: dummy). For real traffic, point the model at real "
+                "weights and remove load-format."
+            )
+        if self.env:
+            lines.append(
+                "Server environment (set it before starting): "
+                + " ".join(f"{k}={v}" for k, v in self.env.items())
+            )
+        return lines
 
     def header(self, comment: str = "#") -> str:
         lines = [
@@ -82,6 +111,7 @@ class ExportContext:
         ]
         if self.capacity:
             lines.append(f"Capacity at SLO: {self.capacity}")
+        lines += [f"NOTE: {n}" for n in self.notes]
         return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
 
     def deploy_args(self) -> dict[str, Any]:
@@ -106,14 +136,26 @@ def _cli_words(args: Mapping[str, Any]) -> list[str]:
 
 def _vllm_config(ctx: ExportContext) -> str:
     # kebab-case keys: `vllm serve --config` drops a snake_case `false` (DESIGN.md §7.4).
-    body = {"model": ctx.model, **ctx.deploy_args()}
-    return ctx.header() + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
+    body = {"model": ctx.model, **ctx.local_args()}
+    notes = "".join(f"# {n}\n" for n in ctx.local_notes())
+    return ctx.header() + notes + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
 
 
 def _vllm_cli(ctx: ExportContext) -> str:
-    words = ["vllm", "serve", ctx.model, *_cli_words(ctx.deploy_args())]
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in ctx.env.items())
-    return ctx.header() + (env + " " if env else "") + shlex.join(words) + "\n"
+    # The tuner's own launcher (optimizer.engine.process): `python -m ...api_server` runs with
+    # the CPU build too, whose `vllm` console script does not; VLLM_PYTHON picks another Python.
+    words = ["-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model]
+    words += _cli_words(ctx.local_args())
+    env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in ctx.env.items())
+    notes = "".join(f"# {n}\n" for n in ctx.local_notes() if not n.startswith("Server env"))
+    return (
+        "#!/usr/bin/env bash\n"
+        + ctx.header()
+        + notes
+        + "set -euo pipefail\n"
+        + env
+        + f'exec "${{VLLM_PYTHON:-{ctx.python}}}" {shlex.join(words)} "$@"\n'
+    )
 
 
 def _name(ctx: ExportContext) -> str:
@@ -338,7 +380,7 @@ def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
         ]
     }
     warn = "".join(
-        f"# WARNING: --{f} is not known to the vLLM that ray[llm] pins; check it.\n"
+        f"# WARNING: --{f} is not accepted by the vLLM that ray[llm] pins; check it.\n"
         for f in unknown_flags
     )
     return ctx.header() + warn + yaml.safe_dump(app, sort_keys=False)
@@ -378,4 +420,6 @@ def write_export(text: str, path: Path) -> Path:
     """Write an export file (parents created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    if text.startswith("#!"):
+        path.chmod(0o755)  # a script: runnable as written
     return path

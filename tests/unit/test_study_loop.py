@@ -393,3 +393,29 @@ def test_a_model_folder_without_weights_is_served_dummy_weights(tmp_path: Path) 
     job, base = load_job(_job(tmp_path), base=tmp_path)
     plan = prepare(job, base, check_flags=False)
     assert plan.engine.args["load-format"] == "dummy"
+
+
+def test_enqueue_in_the_job_is_honoured_when_the_study_resumes(tmp_path: Path) -> None:
+    _driver(tmp_path, FakeRunner(), trials=2).run()
+    new = {"max-num-seqs": 200, "max-num-batched-tokens": 4096, "enable-chunked-prefill": True}
+    events: list[Any] = []
+    driver = _driver(tmp_path, FakeRunner(), trials=4, enqueue=[new])
+    driver.on_event = events.append
+    study = driver.run()
+    trials = study.get_trials()
+    assert len(trials) == 4
+    assert trials[2].params["max-num-seqs"] == 200 and trials[2].user_attrs.get("enqueued")
+    assert [e.number for e in events if e.kind == "enqueued"] == [2]
+    # Resumed again with the same job: a configuration the study holds is not run twice.
+    driver = _driver(tmp_path, FakeRunner(), trials=5, enqueue=[new])
+    study = driver.run()
+    assert sum(1 for t in study.get_trials() if t.params.get("max-num-seqs") == 200) == 1
+    # The trial count already reached: said, not dropped silently.
+    other = {**new, "max-num-seqs": 201}
+    events.clear()
+    driver = _driver(tmp_path, FakeRunner(), trials=5, enqueue=[other])
+    driver.on_event = events.append
+    study = driver.run()
+    refused = [e for e in events if e.kind == "enqueue_refused"]
+    assert len(refused) == 1 and '"max-num-seqs": 201' in refused[0].detail
+    assert "--trials" in refused[0].detail and len(study.get_trials()) == 5

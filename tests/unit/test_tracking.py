@@ -338,3 +338,18 @@ def test_ui_command_points_at_the_local_store(tmp_path: Path) -> None:
     cmd = tracking.ui_command(target)
     assert cmd.startswith("mlflow ui --backend-store-uri sqlite:///")
     assert cmd.endswith("mlflow.db --default-artifact-root " + str(tmp_path / "mlartifacts"))
+
+
+def test_a_copied_study_folder_logs_to_its_own_mlflow_store(tmp_path: Path) -> None:
+    import shutil
+
+    study, tracker, _ = _run(tmp_path, trials=2)
+    assert tracker.finish(study)
+    meta = json.loads((tmp_path / "out" / "review" / "mlflow.json").read_text())
+    assert str(tmp_path / "out") not in json.dumps(meta)
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(tmp_path / "out", copy)
+    target = tracking._target_for_dir(copy, None, None)
+    assert target.tracking_uri == tracking.local_tracking_uri(copy)
+    assert target.storage_url == f"sqlite:///{(copy / 'study.db').resolve()}"
+    assert target.artifact_root == (copy / "mlartifacts").resolve()
