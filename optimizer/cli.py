@@ -950,9 +950,18 @@ def _validation_table(val: Any, runs: int) -> Table:
             row["metric"],
             f"{row['baseline_median']:,.1f} [{b_lo:,.1f}-{b_hi:,.1f}]",
             f"{row['chosen_median']:,.1f} [{c_lo:,.1f}-{c_hi:,.1f}]",
-            f"{row['gain_pct']:+.1f}% [{g_lo:+.1f}% .. {g_hi:+.1f}%]",
+            _gain_cell(row["gain_pct"], g_lo, g_hi, row["baseline_median"]),
         )
     return table
+
+
+def _gain_cell(gain: float, lo: float, hi: float, baseline: float) -> str:
+    """``+14.0% [+9.1% .. +18.2%]``; a gain over a zero baseline has no percentage."""
+    import math
+
+    if baseline == 0 or not math.isfinite(gain):
+        return "from 0 (no ratio)" if baseline == 0 else "-"
+    return f"{gain:+.1f}% [{lo:+.1f}% .. {hi:+.1f}%]"
 
 
 def _ray_serve_check(ctx: Any) -> tuple[Any, list[str]]:
