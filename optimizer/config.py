@@ -63,6 +63,10 @@ class EngineSection(_Strict):
         kv_cache_gib: CPU build only: VLLM_CPU_KVCACHE_SPACE in whole GiB.
         baseline_args: Arguments of the baseline beyond ``args``; by default vLLM's own
             defaults for this hardware, with max-num-seqs and max-num-batched-tokens explicit.
+        preload: While a trial replays, start the next trial's server interpreter on the same
+            GPUs and import vLLM in it (:mod:`optimizer.engine.preload`), so the next start
+            skips the imports. None (auto): on for GPU trials, off on the CPU build, where the
+            imports would take cores from the replay being measured.
     """
 
     python: str | None = None
@@ -71,6 +75,7 @@ class EngineSection(_Strict):
     startup_timeout_s: float = Field(default=900.0, gt=0)
     kv_cache_gib: int | None = Field(default=None, ge=1)
     baseline_args: dict[str, Any] | None = None
+    preload: bool | None = None
 
 
 class ShapingSection(_Strict):

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from optimizer.trial import run_trial
@@ -43,11 +44,16 @@ class _Handle:
     """A submitted trial: its spec, a future of its result, and the actor running it (Ray)."""
 
     def __init__(
-        self, spec: TrialSpec, future: concurrent.futures.Future[TrialResult], actor: Any = None
+        self,
+        spec: TrialSpec,
+        future: concurrent.futures.Future[TrialResult],
+        actor: Any = None,
+        gpus: int = 0,
     ) -> None:
         self.spec = spec
         self.future = future
         self.actor = actor
+        self.gpus = gpus
 
 
 class TrialRunner(Protocol):
@@ -91,7 +97,17 @@ class LocalRunner:
 
 
 class _TrialActor:
-    """Runs one trial inside a Ray actor process."""
+    """Runs trials inside a Ray actor process, one at a time, on the GPUs Ray gave it.
+
+    With ``spec.preload_next``, once a trial's server is healthy the actor starts the next
+    trial's server interpreter (:mod:`optimizer.engine.preload`: vLLM imported, no CUDA
+    initialised) while this trial replays; the next trial run by this actor starts from it when
+    it asks for the same environment and interpreter, and from scratch otherwise. The
+    interpreter runs under the engine guard, owned by this actor: it dies with the actor.
+    """
+
+    def __init__(self) -> None:
+        self._warm: Any = None
 
     def run(self, spec: TrialSpec) -> TrialResult:
         # Ray starts workers at a low priority (nice 15); the replay client and the server it
@@ -99,7 +115,29 @@ class _TrialActor:
         # distort every measurement. Back to normal priority where permitted.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-        return run_trial(spec, isolate_client=True)
+        engine = self._take_warm(spec)
+
+        def ready(_server: Any) -> None:
+            if spec.preload_next:
+                self._warm = _prepare_next(spec)
+
+        return run_trial(spec, isolate_client=True, engine=engine, on_engine_ready=ready)
+
+    def _take_warm(self, spec: TrialSpec) -> Any:
+        warm, self._warm = self._warm, None
+        if warm is None:
+            return None
+        if warm.can_serve(spec.engine, spec.python):
+            warm.retarget(spec.engine, Path(spec.workdir) / "engine.log", spec.startup_timeout_s)
+            return warm
+        warm.stop()
+        return None
+
+    def drop_warm(self) -> None:
+        """Stop a prepared interpreter no trial will use."""
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.stop()
 
     def environment(self) -> dict[str, Any]:
         import ray
@@ -111,18 +149,52 @@ class _TrialActor:
         }
 
 
+def _prepare_next(spec: TrialSpec) -> Any:
+    """A preloaded interpreter with ``spec``'s environment for the next trial (None when it
+    cannot be launched: the next trial then starts from scratch)."""
+    import uuid
+
+    from optimizer.engine.process import EngineProcess
+    from optimizer.types import EngineConfig
+
+    warm = EngineProcess(
+        EngineConfig(model=spec.engine.model, args={}, env=dict(spec.engine.env)),
+        log_path=Path(spec.workdir).parent / ".preload" / f"{uuid.uuid4().hex[:12]}.log",
+        python=spec.python,
+        startup_timeout_s=spec.startup_timeout_s,
+        preload=True,
+    )
+    try:
+        warm.prepare()
+    except Exception:
+        warm.stop()
+        return None
+    return warm
+
+
 class RayRunner:
-    """One Ray actor per trial, pinned to ``gpus`` GPUs.
+    """Trials in Ray actors, each pinned to the ``gpus`` GPUs its trial needs.
+
+    A finished trial's actor is kept, with its GPUs, for the next trial of the same size (and
+    the interpreter it prepared for it, see :class:`_TrialActor`); a trial of another size
+    first releases the idle actors, so a larger trial never waits on GPUs an idle actor holds.
 
     Args:
         address: A Ray cluster to join; None starts (or reuses) a local Ray.
         capacity: Trials at once. On a machine without GPUs this should be 1 (the CPU build
             uses every core).
         cpus_per_trial: CPU resources each actor asks for.
+        reuse_actors: Keep finished trials' actors for the next trials (False: one actor
+            per trial).
     """
 
     def __init__(
-        self, address: str | None = None, *, capacity: int = 1, cpus_per_trial: float = 1.0
+        self,
+        address: str | None = None,
+        *,
+        capacity: int = 1,
+        cpus_per_trial: float = 1.0,
+        reuse_actors: bool = True,
     ) -> None:
         import ray
 
@@ -130,6 +202,9 @@ class RayRunner:
         start_ray(address, log_to_driver=False)
         self.capacity = capacity
         self.cpus_per_trial = cpus_per_trial
+        self.reuse_actors = reuse_actors
+        self._idle: list[tuple[int, Any]] = []
+        self._lock = threading.Lock()
         # max_concurrency 2: `environment` answers while `run` is busy.
         self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)  # type: ignore[call-overload]
 
@@ -138,9 +213,21 @@ class RayRunner:
         return cluster_gpus()
 
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
-        actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote()
+        actor = self._idle_actor(gpus)
+        if actor is None:
+            actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote()
         ref = actor.run.remote(spec)
-        return _Handle(spec, ref.future(), actor)
+        return _Handle(spec, ref.future(), actor, gpus)
+
+    def _idle_actor(self, gpus: int) -> Any:
+        """An idle actor of this size; idle actors of other sizes are released first."""
+        with self._lock:
+            same = [a for g, a in self._idle if g == gpus]
+            others = [a for g, a in self._idle if g != gpus]
+            self._idle = [(gpus, a) for a in same[1:]]
+        for actor in others:
+            self._ray.kill(actor, no_restart=True)
+        return same[0] if same else None
 
     def environment(self, handle: _Handle) -> dict[str, Any]:
         """The actor's pid and GPU assignment (for tests and logs)."""
@@ -153,13 +240,24 @@ class RayRunner:
             self._ray.kill(handle.actor, no_restart=True)
 
     def release(self, handle: _Handle) -> None:
-        """Free a finished trial's actor (and its GPUs)."""
-        if handle.actor is not None:
-            self._ray.kill(handle.actor, no_restart=True)
-            handle.actor = None
+        """A finished trial's actor: kept for the next trial of its size when it ended well,
+        else killed (its GPUs freed)."""
+        actor, handle.actor = handle.actor, None
+        if actor is None:
+            return
+        ended_well = handle.future.done() and handle.future.exception() is None
+        if self.reuse_actors and ended_well:
+            with self._lock:
+                self._idle.append((handle.gpus, actor))
+        else:
+            self._ray.kill(actor, no_restart=True)
 
     def close(self) -> None:
-        pass
+        """Kill the idle actors (and the interpreters they prepared)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _gpus, actor in idle:
+            self._ray.kill(actor, no_restart=True)
 
 
 # --- the cluster --------------------------------------------------------------------------------

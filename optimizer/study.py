@@ -154,6 +154,9 @@ class StudyPlan:
             python=job.engine.python,
             max_send_lag_ms=job.trace.max_send_lag_ms,
             capacity=capacity,
+            preload_next=(
+                job.engine.preload if job.engine.preload is not None else not self.context.cpu_build
+            ),
         )
 
 

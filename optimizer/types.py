@@ -201,6 +201,8 @@ class TrialSpec:
         max_send_lag_ms: Bound on the client's P99 send lag for a valid replay.
         capacity: Search this configuration's capacity at the SLOs (a
             :class:`~optimizer.capacity.CapacitySettings`) instead of one fixed-load replay.
+        preload_next: Once this trial's server is healthy, its runner may prepare the next
+            trial's interpreter on the same GPUs (``engine.preload``).
     """
 
     number: int
@@ -217,6 +219,7 @@ class TrialSpec:
     python: str | None = None
     max_send_lag_ms: float = 10.0
     capacity: CapacitySettings | None = None
+    preload_next: bool = False
 
 
 @dataclass(frozen=True, slots=True)

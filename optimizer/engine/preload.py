@@ -6,7 +6,8 @@ would get). It imports ``MODULE`` (vLLM's OpenAI server module: vLLM, torch, tra
 FastAPI; no CUDA is initialised by importing) and the ``EXTRA`` modules the engine core needs
 once vLLM forks it from this process (best effort: one that does not import is skipped),
 writes ``GO.ready`` (pid, import seconds, the extras imported, whether CUDA got initialised),
-and waits for the file ``GO``, which holds the server's arguments as JSON. Then it runs
+and waits for the file ``GO``, which holds the server's arguments as JSON (and the log file
+its output goes to from then on, when it differs). Then it runs
 ``MODULE`` as ``__main__`` with those arguments,
 exactly as ``python -m MODULE ARGS`` would, minus the imports it already did.
 
@@ -69,7 +70,22 @@ def main(argv: list[str] | None = None) -> int:
     while not go.exists():
         time.sleep(_POLL_S)
     doc = json.loads(go.read_text())
+    if doc.get("log"):
+        # The server's own log from here on: the interpreter was prepared before its trial
+        # (and its folder) was known.
+        fd = os.open(doc["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     sys.argv = [module, *doc["args"]]
+    try:  # ps, nvidia-smi and the tuner's own leak checks see the server's command line
+        import setproctitle  # a vLLM dependency
+
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *doc["args"]]))
+    except Exception:
+        pass
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 

@@ -328,6 +328,27 @@ class EngineProcess:
         self._launch(command, header=f"# vllm-autotune: preload {' '.join(command)}")
         self._prepared_at = time.monotonic()
 
+    def can_serve(self, config: EngineConfig, python: str | None) -> bool:
+        """Whether this prepared interpreter can become the server of ``config``: it imported
+        vLLM with the environment and interpreter ``config`` asks for."""
+        return (
+            self._prepared_at is not None
+            and dict(config.env) == dict(self.config.env)
+            and (python or sys.executable) == self.python
+            and self._exit_code() is None
+        )
+
+    def retarget(
+        self, config: EngineConfig, log_path: str | Path, startup_timeout_s: float
+    ) -> None:
+        """Make this prepared interpreter the server of ``config``, logging to ``log_path``
+        from its start on (see :meth:`can_serve`)."""
+        if self._prepared_at is None:
+            raise RuntimeError("only a prepared, unstarted engine can be retargeted")
+        self.config = config
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+
     @property
     def _ready_file(self) -> Path:
         return self._go_file.with_name(self._go_file.name + ".ready")
@@ -352,9 +373,12 @@ class EngineProcess:
             try:
                 self._wait_ready(t0)
                 self.startup_clock.mark("preload_wait", time.monotonic() - t0)
-                self._log_offset = self.log_path.stat().st_size
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log_path, "ab") as log:
+                    log.write(f"# vllm-autotune: {' '.join(self.argv)} (preloaded)\n".encode())
+                    self._log_offset = log.tell()
                 go = self._go_file.with_name(self._go_file.name + ".tmp")
-                go.write_text(json.dumps({"args": self.argv[3:]}))
+                go.write_text(json.dumps({"args": self.argv[3:], "log": str(self.log_path)}))
                 os.replace(go, self._go_file)
                 self._prepared_at = None
             except BaseException:

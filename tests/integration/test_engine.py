@@ -294,3 +294,60 @@ def test_never_healthy_is_a_startup_timeout(
     assert info.value.failure_class is FailureClass.STARTUP_TIMEOUT
     assert elapsed < 4 + 60  # timeout plus a bounded teardown
     assert engine.pgid is not None and group_alive_pids(engine.pgid) == []
+
+
+def test_a_trial_actor_starts_its_next_trial_from_the_interpreter_it_prepared(
+    tiny_model: Path, tmp_path: Path, vllm_install: object
+) -> None:
+    """Issue 16: while a trial replays, its actor (here without Ray: the same class) imports
+    vLLM for the next trial; the next trial of the same environment starts from it, logs to its
+    own folder and serves its own configuration; nothing is left once the actor drops it."""
+    import psutil
+
+    from optimizer.engine.defaults import prompt_token_range
+    from optimizer.runners import _TrialActor
+    from optimizer.types import Trace, TraceRequest, TrialSpec, TrialStatus
+
+    trace = Trace(
+        requests=tuple(
+            TraceRequest(arrival_s=0.2 * i, input_tokens=16, output_tokens=4) for i in range(8)
+        )
+    )
+
+    def spec(number: int, **args: object) -> TrialSpec:
+        return TrialSpec(
+            number=number,
+            engine=tiny_config(tiny_model, **args),
+            trace=trace,
+            workdir=str(tmp_path / f"trial-{number}"),
+            token_range=prompt_token_range(str(tiny_model)),
+            seed=number + 1,
+            warmup_requests=1,
+            max_send_lag_ms=1000.0,
+            startup_timeout_s=600,
+            preload_next=True,
+        )
+
+    actor = _TrialActor()
+    first = actor.run(spec(0))
+    assert first.status is TrialStatus.COMPLETE, first.message
+    assert "preload_wait" not in first.startup["phases"]
+    assert actor._warm is not None  # prepared while trial 0 replayed
+    second = actor.run(spec(1, **{"max-num-seqs": 8}))
+    assert second.status is TrialStatus.COMPLETE, second.message
+    assert list(second.startup["phases"])[:2] == ["preload_wait", "imports"]
+    log = (tmp_path / "trial-1" / "engine.log").read_text()
+    assert "(preloaded)" in log and "'max_num_seqs': 8" in log
+    actor.drop_warm()
+
+    def servers() -> list[int]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "optimizer.engine.preload" in cmd or (
+                "vllm.entrypoints" in cmd and str(tiny_model) in cmd
+            ):
+                found.append(p.pid)
+        return found
+
+    assert servers() == []
