@@ -16,6 +16,7 @@ from typing import Any
 import optuna
 
 from optimizer.study import create_storage
+from optimizer.study_folder import storage_url_of
 from optimizer.trial_view import TrialView, feasible_front
 
 KEYS = (
@@ -43,7 +44,8 @@ def _clean(v: Any) -> Any:
 def summarize_study(folder: Path) -> dict[str, Any]:
     plan = json.loads((folder / "plan.json").read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=plan["study"], storage=create_storage(plan["storage"]))
+    storage = create_storage(storage_url_of(plan, folder.resolve()))
+    study = optuna.load_study(study_name=plan["study"], storage=storage)
     front = {t.number for t in feasible_front(study)}
     trials = []
     for t in study.get_trials(deepcopy=False):
