@@ -106,8 +106,10 @@ class _TrialActor:
     interpreter runs under the engine guard, owned by this actor: it dies with the actor.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine_factory: Callable[[TrialSpec], Any] | None = None) -> None:
         self._warm: Any = None
+        # Tests give a factory of fake engines (packing checks on logical GPUs, no vLLM).
+        self._engine_factory = engine_factory
 
     def run(self, spec: TrialSpec) -> TrialResult:
         # Ray starts workers at a low priority (nice 15); the replay client and the server it
@@ -116,6 +118,8 @@ class _TrialActor:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
         engine = self._take_warm(spec)
+        if engine is None and self._engine_factory is not None:
+            engine = self._engine_factory(spec)
 
         def ready(_server: Any) -> None:
             if spec.preload_next:
@@ -176,8 +180,9 @@ class RayRunner:
     """Trials in Ray actors, each pinned to the ``gpus`` GPUs its trial needs.
 
     A finished trial's actor is kept, with its GPUs, for the next trial of the same size (and
-    the interpreter it prepared for it, see :class:`_TrialActor`); a trial of another size
-    first releases the idle actors, so a larger trial never waits on GPUs an idle actor holds.
+    the interpreter it prepared for it, see :class:`_TrialActor`), but only when no other
+    trial is in flight: a trial waiting for GPUs must never wait on an idle actor's. A trial
+    of another size first releases the idle actors.
 
     Args:
         address: A Ray cluster to join; None starts (or reuses) a local Ray.
@@ -186,6 +191,8 @@ class RayRunner:
         cpus_per_trial: CPU resources each actor asks for.
         reuse_actors: Keep finished trials' actors for the next trials (False: one actor
             per trial).
+        engine_factory: Makes each trial's engine inside its actor (a picklable callable of
+            the spec); None: a real vLLM server. Tests use fakes.
     """
 
     def __init__(
@@ -195,6 +202,7 @@ class RayRunner:
         capacity: int = 1,
         cpus_per_trial: float = 1.0,
         reuse_actors: bool = True,
+        engine_factory: Callable[[TrialSpec], Any] | None = None,
     ) -> None:
         import ray
 
@@ -203,7 +211,9 @@ class RayRunner:
         self.capacity = capacity
         self.cpus_per_trial = cpus_per_trial
         self.reuse_actors = reuse_actors
+        self._engine_factory = engine_factory
         self._idle: list[tuple[int, Any]] = []
+        self._live: set[int] = set()  # submitted, not yet released or cancelled
         self._lock = threading.Lock()
         # max_concurrency 2: `environment` answers while `run` is busy.
         self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)  # type: ignore[call-overload]
@@ -215,9 +225,14 @@ class RayRunner:
     def submit(self, spec: TrialSpec, gpus: int) -> _Handle:
         actor = self._idle_actor(gpus)
         if actor is None:
-            actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote()
+            actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote(
+                self._engine_factory
+            )
         ref = actor.run.remote(spec)
-        return _Handle(spec, ref.future(), actor, gpus)
+        handle = _Handle(spec, ref.future(), actor, gpus)
+        with self._lock:
+            self._live.add(id(handle))
+        return handle
 
     def _idle_actor(self, gpus: int) -> Any:
         """An idle actor of this size; idle actors of other sizes are released first."""
@@ -236,6 +251,8 @@ class RayRunner:
 
     def cancel(self, handle: _Handle) -> None:
         # The engine guard sees its owner (the actor process) die and kills the server group.
+        with self._lock:
+            self._live.discard(id(handle))
         if handle.actor is not None:
             self._ray.kill(handle.actor, no_restart=True)
 
@@ -246,10 +263,12 @@ class RayRunner:
         if actor is None:
             return
         ended_well = handle.future.done() and handle.future.exception() is None
-        if self.reuse_actors and ended_well:
-            with self._lock:
+        with self._lock:
+            self._live.discard(id(handle))
+            keep = self.reuse_actors and ended_well and not self._live
+            if keep:
                 self._idle.append((handle.gpus, actor))
-        else:
+        if not keep:
             self._ray.kill(actor, no_restart=True)
 
     def close(self) -> None:

@@ -12,7 +12,13 @@ from typing import Any
 from optimizer.types import MemoryAccount, TrialResult, TrialSpec
 from tests.fakes.openai_stream_server import FakeOpenAIServer
 
-__all__ = ["FakeEngine", "FakeHandle", "ScriptedRunner"]
+__all__ = [
+    "FakeEngine",
+    "FakeHandle",
+    "GpuRecordingFakeEngine",
+    "ScriptedRunner",
+    "gpu_recording_engine",
+]
 
 
 class FakeHandle:
@@ -109,3 +115,41 @@ class FakeEngine:
 
     def scrape_metrics(self) -> dict[str, Any]:
         return {}
+
+
+class GpuRecordingFakeEngine(FakeEngine):
+    """A FAKE engine that notes, in its trial's folder (``gpus.json``), the GPUs its process
+    was given (``CUDA_VISIBLE_DEVICES``), its pid, and when it served: packing checks on
+    logical GPUs without vLLM."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(ttft_s=0.05)
+        self._note = workdir / "gpus.json"
+        self._doc: dict[str, Any] = {}
+
+    def start(self) -> None:
+        import json
+        import os
+        import time
+
+        self._doc = {
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "pid": os.getpid(),
+            "start": time.time(),
+        }
+        super().start()
+        self._note.parent.mkdir(parents=True, exist_ok=True)
+        self._note.write_text(json.dumps(self._doc))
+
+    def stop(self) -> None:
+        import json
+        import time
+
+        super().stop()
+        if self._doc:
+            self._note.write_text(json.dumps({**self._doc, "stop": time.time()}))
+
+
+def gpu_recording_engine(spec: TrialSpec) -> GpuRecordingFakeEngine:
+    """Engine factory for :class:`optimizer.runners.RayRunner` (picklable: module level)."""
+    return GpuRecordingFakeEngine(Path(spec.workdir))
