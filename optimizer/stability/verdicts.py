@@ -8,13 +8,15 @@
   a failure in the sustained, recovery or long-input phase fails, in the burst it warns;
 - **drift**: P95 TTFT and TPOT of the sustained phase's first and last drift windows; a rise
   by more than ``drift_tolerance`` fails when the last window uses more than half of an SLO
-  on that metric (far inside the SLO it warns);
+  on that metric (far inside the SLO, or without an SLO on it, it warns);
 - **spikes**: windows of ``window_s`` whose requests miss an SLO, per phase; one in the
   sustained or long-input phase fails;
 - **recovery**: seconds from the burst's end until the requests arriving over the next
   ``window_s`` meet the SLOs again (the server serves new arrivals within its SLOs from then
   on); never within the recovery phase fails;
-- **long inputs**: sent, served, failed (refused), their P95 TTFT; any failure fails.
+- **long inputs**: sent, served, failed (refused), their P95 TTFT; any failure fails, and so
+  does a P95 TTFT of the long inputs over a ``p95_ttft_ms`` SLO (served too slowly: a KV cache
+  that holds one of them at a time queues the others).
 
 :func:`compare` flags every verdict on which the chosen configuration did worse than the
 baseline under the same plan.
@@ -335,7 +337,7 @@ def evaluate(
         _drift_verdict(records, plan, slos, th),
         _spikes_verdict(windows(records, plan, slos)),
         _recovery_verdict(records, plan, slos),
-        _long_input_verdict(records, long_input, plan),
+        _long_input_verdict(records, long_input, plan, slos),
     ]
 
 
@@ -428,7 +430,7 @@ def _drift_verdict(
         if not (ratio > 1 + th.drift_tolerance):
             continue
         bound = next((s.threshold for s in slos if s.metric == metric), None)
-        worst = "fail" if bound is None or b > bound / 2 else "warn"
+        worst = "fail" if bound is not None and b > bound / 2 else "warn"
         status = max(status, worst, key=_RANK.__getitem__)
     return Verdict("drift", status, "; ".join(parts), numbers)
 
@@ -466,7 +468,10 @@ def _recovery_verdict(
 
 
 def _long_input_verdict(
-    records: Sequence[RequestRecord], long_input: Sequence[bool], plan: StabilityPlan
+    records: Sequence[RequestRecord],
+    long_input: Sequence[bool],
+    plan: StabilityPlan,
+    slos: Sequence[Slo] = (),
 ) -> Verdict:
     longs = [r for r, is_long in zip(records, long_input, strict=True) if is_long]
     if not longs:
@@ -479,11 +484,17 @@ def _long_input_verdict(
         f"{len(ok)}/{len(longs)} served ({plan.long_input_tokens} prompt tokens), "
         f"{len(failed)} failed; P95 TTFT {p95:,.0f} ms"
     )
+    status = "fail" if failed else "pass"
     if failed:
         text += f"; first error: {failed[0].error}"
+    # Served too slowly is not served: the long inputs' own P95 TTFT against a TTFT SLO's bound.
+    bound = next((x.threshold for x in slos if x.metric == "p95_ttft_ms"), None)
+    if bound is not None and p95 > bound:
+        status = "fail"
+        text += f" (over the {bound:g} ms SLO)"
     return Verdict(
         "long_inputs",
-        "fail" if failed else "pass",
+        status,
         text,
         {"sent": len(longs), "served": len(ok), "failed": len(failed), "p95_ttft_ms": p95},
     )

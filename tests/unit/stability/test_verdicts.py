@@ -107,6 +107,9 @@ def test_drift_compares_first_and_last_windows() -> None:
     flat = _steady(plan)
     v = {x.name: x for x in evaluate(flat, [False] * len(flat), [], plan, SLOS)}
     assert v["drift"].status == "pass"
+    # A rise on a metric without an SLO only warns.
+    v = {x.name: x for x in evaluate(rising, [False] * len(rising), [], plan, SLOS[2:])}
+    assert v["drift"].status == "warn"
 
 
 def test_spikes_are_windows_over_an_slo_per_phase() -> None:
@@ -171,6 +174,13 @@ def test_long_inputs_served_or_refused() -> None:
     assert v["long_inputs"].status == "fail" and "maximum context" in v["long_inputs"].text
     v = {x.name: x for x in evaluate(records, [False] * len(records), [], plan, SLOS)}
     assert v["long_inputs"].status == "n/a"
+    # Served, but queued one after the other: over the TTFT SLO.
+    slow = _steady(plan)
+    slow[-4] = _rec(0, slow[-4].scheduled_s, ttft_ms=2500)
+    slow[-3] = _rec(0, slow[-3].scheduled_s, ttft_ms=2500)
+    v = {x.name: x for x in evaluate(slow, long, [], plan, SLOS)}
+    assert v["long_inputs"].status == "fail" and "over the 500 ms SLO" in v["long_inputs"].text
+    assert v["long_inputs"].numbers["served"] == 2
 
 
 def test_compare_flags_what_the_chosen_did_worse() -> None:
