@@ -422,6 +422,13 @@ def _drift_verdict(
     status = "pass"
     parts: list[str] = []
     numbers: dict[str, Any] = {}
+    if not (first.requests and last.requests):
+        return Verdict(
+            "drift",
+            "n/a",
+            f"no request arrived in the sustained phase's first or last "
+            f"{first.end_s - first.start_s:g} s ({first.requests} and {last.requests})",
+        )
     for metric in ("p95_ttft_ms", "p95_tpot_ms"):
         a, b = float(getattr(first, metric)), float(getattr(last, metric))
         ratio = b / a if a > 0 and math.isfinite(a) and math.isfinite(b) else math.nan

@@ -107,6 +107,10 @@ def test_drift_compares_first_and_last_windows() -> None:
     flat = _steady(plan)
     v = {x.name: x for x in evaluate(flat, [False] * len(flat), [], plan, SLOS)}
     assert v["drift"].status == "pass"
+    # A drift window nobody arrived in: nothing to compare.
+    gap = [r for r in flat if not 50 <= r.scheduled_s < 60]
+    v = {x.name: x for x in evaluate(gap, [False] * len(gap), [], plan, SLOS)}
+    assert v["drift"].status == "n/a" and "(20 and 0)" in v["drift"].text
     # A rise on a metric without an SLO only warns.
     v = {x.name: x for x in evaluate(rising, [False] * len(rising), [], plan, SLOS[2:])}
     assert v["drift"].status == "warn"
