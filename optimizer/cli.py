@@ -639,8 +639,12 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         if tracker is not None:
             driver.on_event = _chain(on_event, tracker.on_event)
         study = driver.run()
-        if tracker is not None:
-            tracker.finish(study)
+        if tracker is not None and tracker.finish(study) and tracker.experiment_id:
+            from optimizer.tracking import review_url
+
+            console.print(
+                f"[dim]MLflow runs table: {review_url(tracker.target, tracker.experiment_id)}[/]"
+            )
     finally:
         runner.close()
     console.print(front_table(study))
@@ -755,6 +759,7 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
         f"updated, {summary.duplicates_deleted} duplicates deleted; parent run "
         f"{summary.parent_run_id}; Pareto front {list(summary.front)}"
     )
+    console.print(f"runs table: {summary.runs_url}")
     return 0
 
 
