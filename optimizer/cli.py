@@ -859,13 +859,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 + " (use --force to export anyway)"
             )
             return 4
-    ctx = ex.context(
-        saved, choice, gain, capacity=_capacity_line(study, saved, choice.chosen.number)
-    )
-    unknown: list[str] = []
-    if ns.format == "ray-serve":
-        ctx, unknown = _ray_serve_check(ctx)
-    text = ex.render(ns.format, ctx, unknown_flags=unknown)
+    text = _render_export(ns, saved, study, choice, gain)
     if ns.chart_schema:
         problems = ex.helm_schema_problems(yaml.safe_load(text), Path(ns.chart_schema))
         if problems:
@@ -904,6 +898,44 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
+
+
+def _render_export(
+    ns: argparse.Namespace, saved: dict[str, Any], study: Any, choice: Any, gain: str
+) -> str:
+    """The export file's text; a deployment format's warnings printed too."""
+    from optimizer import export as ex
+
+    ctx = ex.context(
+        saved,
+        choice,
+        gain,
+        capacity=_capacity_line(study, saved, choice.chosen.number),
+        deployment=_deployment(ns),
+    )
+    if ns.format in ex.DEPLOY_FORMATS:
+        for note in ctx.deploy_notes():
+            console.print(f"[yellow]{note}[/]")
+    unknown: list[str] = []
+    if ns.format == "ray-serve":
+        ctx, unknown = _ray_serve_check(ctx)
+    return str(ex.render(ns.format, ctx, unknown_flags=unknown))
+
+
+def _deployment(ns: argparse.Namespace) -> Any:
+    """``--model``, ``--served-model-name``, ``--image``, ``--gpus`` for a deployment format."""
+    from optimizer import export as ex
+
+    given = {k: getattr(ns, k, None) for k in ("model", "served_model_name", "image", "gpus")}
+    if ns.format not in ex.DEPLOY_FORMATS and any(v is not None for v in given.values()):
+        flags = ", ".join("--" + k.replace("_", "-") for k, v in given.items() if v is not None)
+        raise ConfigError(
+            f"{flags}: for a deployment ({', '.join(ex.DEPLOY_FORMATS)}); --format {ns.format} "
+            "runs on the tuning machine as tuned"
+        )
+    if given["gpus"] is not None and given["gpus"] < 0:
+        raise ConfigError(f"--gpus {given['gpus']}: give 0 (CPU) or more")
+    return ex.Deployment(**given)
 
 
 def _revalidate(
@@ -1137,6 +1169,34 @@ def _add_trace_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_replay)
 
 
+def _add_deployment_flags(p: Any) -> None:
+    """export's flags for where a deployment format runs (:func:`_deployment`)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="kubernetes/helm/ray-serve: the model the deployment loads (hub name or a path in "
+        "the image; default: the study's model path)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="kubernetes/helm/ray-serve: the model name clients request",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        help="kubernetes/helm: container image (default: vLLM's CUDA image, or its CPU image "
+        "when the deployment has no GPU)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="kubernetes/helm/ray-serve: GPUs per server (default: the configuration's "
+        "tensor x pipeline parallel; 0 for a study tuned on a CPU)",
+    )
+
+
 def _add_study_commands(sub: Any) -> None:
     """tune, export, show, mlflow-sync: a study and what comes of it."""
     p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")
@@ -1186,6 +1246,7 @@ def _add_study_commands(sub: Any) -> None:
     p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
     p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
+    _add_deployment_flags(p)
     p.add_argument(
         "--chart-schema",
         default=None,
