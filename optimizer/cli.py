@@ -623,6 +623,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         elapsed = time.monotonic() - t0
         if ev.kind == "started":
             console.print(f"[cyan]trial {ev.number}[/] started: {ev.detail}")
+        elif ev.kind == "progress":
+            console.print(f"[dim]trial {ev.number}: {ev.detail}[/]")
         elif ev.kind == "finished" and ev.result is not None:
             r = ev.result
             console.print(_finished_trial_line(ev.number, r, ev.trial))
