@@ -65,8 +65,12 @@ def headline_md(doc: list[dict[str, Any]], best: dict[str, tuple[float, int]]) -
     ]
     if base is None:
         lines.append("- no measured baseline: nothing to compare with")
-    elif not best:
+    elif not front:
         lines.append("- no feasible configuration beyond the baseline yet")
+    elif not best:
+        lines.append(
+            "- not a percentage: the baseline measured 0 or nothing comparable (values below)"
+        )
     for name, (gain, trial) in best.items():
         lines.append(f"- {name}: {gain:+.1f}% (trial {trial})")
     lines += [

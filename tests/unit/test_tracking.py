@@ -459,3 +459,17 @@ def test_parent_run_holds_the_gain_over_the_baseline_and_the_report_up_front(
     assert note.startswith("**Best gain over the baseline**")
     assert f"- p95_ttft_ms: {ttft_gain:+.1f}% (trial 1)" in note
     assert "# Study `fake-mlflow`" in note  # the report follows the headline
+
+
+def test_the_headline_says_why_there_is_no_percentage() -> None:
+    from optimizer.analysis.documents import headline_md
+    from optimizer.analysis.front import best_gains
+
+    base = {"trial": 0, "baseline": True, "gain_pct": {"capacity_rps": None}}
+    best = {"trial": 3, "baseline": False, "gain_pct": {"capacity_rps": None}}
+    # A capacity study whose baseline carried nothing: a front, but no percentage.
+    text = headline_md([base, best], best_gains([base, best]))
+    assert "not a percentage: the baseline measured 0" in text and "[3]" in text
+    assert "no feasible configuration beyond the baseline yet" in headline_md([base], {})
+    gained = {**best, "gain_pct": {"capacity_rps": 40.0}}
+    assert "- capacity_rps: +40.0% (trial 3)" in headline_md([base, gained], best_gains([gained]))
