@@ -623,6 +623,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         elapsed = time.monotonic() - t0
         if ev.kind == "started":
             console.print(f"[cyan]trial {ev.number}[/] started: {ev.detail}")
+        elif ev.kind == "progress":
+            console.print(f"[dim]trial {ev.number}: {ev.detail}[/]")
         elif ev.kind == "finished" and ev.result is not None:
             r = ev.result
             console.print(_finished_trial_line(ev.number, r, ev.trial))
@@ -639,8 +641,12 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         if tracker is not None:
             driver.on_event = _chain(on_event, tracker.on_event)
         study = driver.run()
-        if tracker is not None:
-            tracker.finish(study)
+        if tracker is not None and tracker.finish(study) and tracker.experiment_id:
+            from optimizer.tracking import review_url
+
+            console.print(
+                f"[dim]MLflow runs table: {review_url(tracker.target, tracker.experiment_id)}[/]"
+            )
     finally:
         runner.close()
     console.print(front_table(study))
@@ -755,6 +761,7 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
         f"updated, {summary.duplicates_deleted} duplicates deleted; parent run "
         f"{summary.parent_run_id}; Pareto front {list(summary.front)}"
     )
+    console.print(f"runs table: {summary.runs_url}")
     return 0
 
 
@@ -854,14 +861,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
                 + " (use --force to export anyway)"
             )
             return 4
-    ctx = ex.context(
-        saved, choice, gain, capacity=_capacity_line(study, saved, choice.chosen.number)
-    )
-    ctx = _with_stability_note(ctx, folder, choice.chosen.number)
-    unknown: list[str] = []
-    if ns.format == "ray-serve":
-        ctx, unknown = _ray_serve_check(ctx)
-    text = ex.render(ns.format, ctx, unknown_flags=unknown)
+    text = _render_export(ns, saved, study, choice, gain, folder)
     if ns.chart_schema:
         problems = ex.helm_schema_problems(yaml.safe_load(text), Path(ns.chart_schema))
         if problems:
@@ -909,6 +909,51 @@ def _with_stability_note(ctx: Any, folder: Path, trial: int) -> Any:
     from optimizer.stability.workflow import header_note
 
     return dataclasses.replace(ctx, notes=(*ctx.notes, *header_note(folder, trial)))
+
+
+def _render_export(
+    ns: argparse.Namespace,
+    saved: dict[str, Any],
+    study: Any,
+    choice: Any,
+    gain: str,
+    folder: Path,
+) -> str:
+    """The export file's text (with the study's stability note); a deployment format's
+    warnings printed too."""
+    from optimizer import export as ex
+
+    ctx = ex.context(
+        saved,
+        choice,
+        gain,
+        capacity=_capacity_line(study, saved, choice.chosen.number),
+        deployment=_deployment(ns),
+    )
+    ctx = _with_stability_note(ctx, folder, choice.chosen.number)
+    if ns.format in ex.DEPLOY_FORMATS:
+        for note in ctx.deploy_notes():
+            console.print(f"[yellow]{note}[/]")
+    unknown: list[str] = []
+    if ns.format == "ray-serve":
+        ctx, unknown = _ray_serve_check(ctx)
+    return str(ex.render(ns.format, ctx, unknown_flags=unknown))
+
+
+def _deployment(ns: argparse.Namespace) -> Any:
+    """``--model``, ``--served-model-name``, ``--image``, ``--gpus`` for a deployment format."""
+    from optimizer import export as ex
+
+    given = {k: getattr(ns, k, None) for k in ("model", "served_model_name", "image", "gpus")}
+    if ns.format not in ex.DEPLOY_FORMATS and any(v is not None for v in given.values()):
+        flags = ", ".join("--" + k.replace("_", "-") for k, v in given.items() if v is not None)
+        raise ConfigError(
+            f"{flags}: for a deployment ({', '.join(ex.DEPLOY_FORMATS)}); --format {ns.format} "
+            "runs on the tuning machine as tuned"
+        )
+    if given["gpus"] is not None and given["gpus"] < 0:
+        raise ConfigError(f"--gpus {given['gpus']}: give 0 (CPU) or more")
+    return ex.Deployment(**given)
 
 
 def _revalidate(
@@ -1151,6 +1196,34 @@ def _add_trace_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_replay)
 
 
+def _add_deployment_flags(p: Any) -> None:
+    """export's flags for where a deployment format runs (:func:`_deployment`)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="kubernetes/helm/ray-serve: the model the deployment loads (hub name or a path in "
+        "the image; default: the study's model path)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="kubernetes/helm/ray-serve: the model name clients request",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        help="kubernetes/helm: container image (default: vLLM's CUDA image, or its CPU image "
+        "when the deployment has no GPU)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="kubernetes/helm/ray-serve: GPUs per server (default: the configuration's "
+        "tensor x pipeline parallel; 0 for a study tuned on a CPU)",
+    )
+
+
 def _add_study_commands(sub: Any) -> None:
     """tune, export, show, mlflow-sync: a study and what comes of it."""
     p = sub.add_parser("tune", help="run (or resume) a tuning study from a job file")
@@ -1200,6 +1273,7 @@ def _add_study_commands(sub: Any) -> None:
     p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
     p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
+    _add_deployment_flags(p)
     p.add_argument(
         "--chart-schema",
         default=None,

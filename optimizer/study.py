@@ -55,6 +55,7 @@ from optimizer.engine.defaults import (
 )
 from optimizer.errors import ConfigError
 from optimizer.study_folder import portable_url
+from optimizer.trial_io import progress_line, read_progress
 from optimizer.trial_view import (
     BASELINE_ATTR,
     TrialView,
@@ -165,9 +166,11 @@ class StudyEvent:
     """Something a progress display or tracker wants to know.
 
     Attributes:
-        kind: ``started``, ``finished``, ``rejected``, ``retry``, ``stale``, ``enqueued`` (a
-            configuration of the job's ``enqueue:`` added on resume) or ``enqueue_refused``
-            (those not added: the trial count is reached; ``number`` -1).
+        kind: ``started``, ``progress`` (a running trial's phase and replay progress, at most
+            every ``progress_interval_s``, in ``detail``), ``finished``, ``rejected``,
+            ``retry``, ``stale``, ``enqueued`` (a configuration of the job's ``enqueue:``
+            added on resume) or ``enqueue_refused`` (those not added: the trial count is
+            reached; ``number`` -1).
         number: Optuna trial number.
         result: The trial's result (``finished``).
         trial: The frozen trial after ``tell`` (``finished``, ``rejected``).
@@ -437,6 +440,8 @@ class StudyDriver:
         heartbeat_interval_s: How often running trials' heartbeats are recorded (RDB storage).
         grace_period_s: A RUNNING trial without heartbeat for this long is stale.
         now: Wall clock (a seam for budget tests).
+        progress_interval_s: How often running trials' progress files are read (``progress``
+            events; a trial on another machine without a shared study folder has none).
     """
 
     def __init__(
@@ -448,8 +453,12 @@ class StudyDriver:
         heartbeat_interval_s: int = 30,
         grace_period_s: int = 90,
         now: Callable[[], datetime] = datetime.now,
+        progress_interval_s: float = 10.0,
     ) -> None:
         self.plan = plan
+        self.progress_interval_s = progress_interval_s
+        self._progress_seen: dict[int, Any] = {}
+        self._progress_polled = time.monotonic()
         self.runner = runner
         self.on_event = on_event or (lambda _e: None)
         self.now = now
@@ -661,6 +670,21 @@ class StudyDriver:
                 last_beat = time.monotonic()
             for fut in done:
                 self._collect(futures[fut], fut)
+            self._poll_progress()
+
+    def _poll_progress(self) -> None:
+        """A ``progress`` event per running trial whose progress file changed (at most every
+        ``progress_interval_s``)."""
+        if time.monotonic() - self._progress_polled < self.progress_interval_s:
+            return
+        self._progress_polled = time.monotonic()
+        for number, (handle, _trial, _attempt) in list(self._running.items()):
+            spec = getattr(handle, "spec", None)
+            doc = read_progress(spec.workdir) if spec is not None else None
+            if doc is None or doc.get("updated") == self._progress_seen.get(number):
+                continue
+            self._progress_seen[number] = doc.get("updated")
+            self.on_event(StudyEvent("progress", number, detail=progress_line(doc)))
 
     def _heartbeat(self) -> None:
         if isinstance(self.storage, optuna.storages.RDBStorage):

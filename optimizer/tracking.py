@@ -47,9 +47,10 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.analysis.diagnosis import diagnose
-from optimizer.analysis.documents import report_md
+from optimizer.analysis.documents import headline_md, report_md
 from optimizer.analysis.front import (
     FAILED_STATUSES,
+    best_gains,
     finite,
     front_csv,
     front_doc,
@@ -76,6 +77,8 @@ __all__ = [
     "TrackingTarget",
     "local_tracking_uri",
     "log_export",
+    "review_url",
+    "runs_url",
     "sync_study",
     "tracker_for_plan",
     "ui_command",
@@ -92,6 +95,12 @@ _INPUTS_TAG = "vllm_autotune.inputs"
 _PARENT_TAG = "mlflow.parentRunId"
 _NOTE_TAG = "mlflow.note.content"
 _RUN_NAME_TAG = "mlflow.runName"
+# MLflow 3 opens an experiment on its GenAI (traces) pages unless it is marked as a model
+# development experiment (the tag below; MLflow UIs with the GenAI / machine learning switch in
+# the sidebar read the switch instead, which the ``workflowType`` URL parameter sets).
+_EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+_EXPERIMENT_KIND = "custom_model_development"
+_RUNS_VIEW_QUERY = "workflowType=machine_learning"
 
 REVIEW_DIR = "review"
 _MAX_PARAM = 6000
@@ -149,6 +158,24 @@ def ui_command(target: TrackingTarget) -> str:
             f"--default-artifact-root {_relative(root)}"
         )
     return f"mlflow ui --backend-store-uri {target.tracking_uri}"
+
+
+def runs_url(experiment_id: str, server: str = "http://127.0.0.1:5000") -> str:
+    """The MLflow UI's runs table of an experiment (not MLflow 3's GenAI traces pages).
+
+    Args:
+        experiment_id: The experiment.
+        server: Where ``mlflow ui`` (or the tracking server) serves the UI.
+    """
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?{_RUNS_VIEW_QUERY}"
+
+
+def review_url(target: TrackingTarget, experiment_id: str) -> str:
+    """Where a reviewer opens the study's runs table: the tracking server's UI, or the local
+    ``mlflow ui`` (:func:`ui_command`) at its default address."""
+    if target.tracking_uri.startswith(("http://", "https://")):
+        return runs_url(experiment_id, _redact(target.tracking_uri))
+    return runs_url(experiment_id)
 
 
 def _redact(text: str) -> str:
@@ -244,6 +271,7 @@ class SyncSummary:
         updated: Child runs that already existed (brought up to date).
         duplicates_deleted: Extra runs of the same trial (or study) deleted.
         front: Trial numbers of the feasible Pareto front.
+        runs_url: Where the runs table opens (:func:`review_url`).
     """
 
     experiment_id: str
@@ -253,6 +281,38 @@ class SyncSummary:
     updated: int
     duplicates_deleted: int
     front: tuple[int, ...]
+    runs_url: str = ""
+
+
+#: Trial outcomes that measured nothing because the study (not the engine) stopped them.
+_NOT_RUN_STATUSES = ("rejected", "duplicate", "cancelled", "infeasible")
+
+
+def _run_status(t: FrozenTrial) -> str:
+    """The child run's MLflow status, so the runs list tells good trials from the others at a
+    glance: FINISHED for a full measurement (SLOs met or not), FAILED when the engine or the
+    replay failed, KILLED when the study stopped or refused it (rejected, duplicate, cancelled,
+    stopped early as infeasible)."""
+    status = TrialView(t).status
+    if status in _NOT_RUN_STATUSES:
+        return "KILLED"
+    if status in FAILED_STATUSES or t.state == TrialState.FAIL or not TrialView(t).measured:
+        return "FAILED"
+    return "FINISHED"
+
+
+def _run_name(t: FrozenTrial) -> str:
+    """``baseline`` / ``trial-0007``, with what went wrong appended when something did
+    (``trial-0007 rejected``, ``trial-0003 slo missed``): the runs list shows it unexpanded."""
+    view = TrialView(t)
+    name = "baseline" if view.is_baseline else f"trial-{t.number:04d}"
+    if t.state == TrialState.FAIL and view.status in ("running", "fail"):
+        return f"{name} failed"
+    if not view.measured:
+        return f"{name} {view.status.replace('_', ' ')}"
+    if not view.feasible:
+        return f"{name} slo missed"
+    return name
 
 
 def _ms(dt: Any) -> int | None:
@@ -262,6 +322,14 @@ def _ms(dt: Any) -> int | None:
 def _param_value(v: Any) -> str:
     text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
     return text[:_MAX_PARAM]
+
+
+def _note(markdown: str) -> str:
+    """A run description within MLflow's tag limit, saying where the rest is when cut."""
+    if len(markdown) <= _MAX_TAG:
+        return markdown
+    tail = "\n\n… (cut here: the whole text is the run's `report.md` artifact)\n"
+    return markdown[: _MAX_TAG - len(tail)].rsplit("\n", 1)[0] + tail
 
 
 def _tag_value(v: Any) -> str:
@@ -301,12 +369,18 @@ class _Syncer:
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(
-                self.target.experiment, artifact_location=root.as_uri() if root else None
+                self.target.experiment,
+                artifact_location=root.as_uri() if root else None,
+                tags={_EXPERIMENT_KIND_TAG: _EXPERIMENT_KIND},
             )
         else:
             if exp.lifecycle_stage == "deleted":
                 self.client.restore_experiment(exp.experiment_id)
             self.experiment_id = exp.experiment_id
+            if _EXPERIMENT_KIND_TAG not in exp.tags:  # a user's own choice of kind stays
+                self.client.set_experiment_tag(
+                    exp.experiment_id, _EXPERIMENT_KIND_TAG, _EXPERIMENT_KIND
+                )
         runs = self._search(f"tags.`{ROLE_TAG}` = 'study'")
         parent = self._dedupe(runs)
         if parent is None:
@@ -408,7 +482,7 @@ class _Syncer:
         assert self.parent is not None and self.experiment_id is not None
         if t.state in (TrialState.RUNNING, TrialState.WAITING):
             return False
-        name = "baseline" if TrialView(t).is_baseline else f"trial-{t.number:04d}"
+        name = _run_name(t)
         run = self.children.get(t.number)
         created = run is None
         if run is None:
@@ -431,17 +505,13 @@ class _Syncer:
             run,
             params=self._trial_params(t),
             metrics=self._trial_metrics(t),
-            tags=self._trial_tags(t, front),
+            tags={**self._trial_tags(t, front), _RUN_NAME_TAG: name},
             timestamp_ms=_ms(t.datetime_complete),
         )
         if run.tags.get(_ARTIFACTS_TAG) != "uploaded":
             state = self._trial_artifacts(t, run)
             self._log(run, tags={_ARTIFACTS_TAG: state})
-        status = (
-            "FAILED"
-            if TrialView(t).status in FAILED_STATUSES or t.state == TrialState.FAIL
-            else ("FINISHED")
-        )
+        status = _run_status(t)
         if run.status != status:
             self.client.set_terminated(run.run_id, status, end_time=_ms(t.datetime_complete))
             run.status = status
@@ -651,9 +721,13 @@ class _Syncer:
         if metrics:
             self.parent.metrics.update({m.key: m.value for m in metrics})
 
-    def _summary_metrics(self, study: optuna.Study, plan: dict[str, Any]) -> None:
-        """Parent-run metrics: a capacity study's baseline and best capacity and the gain; every
-        study's trial-time account (share replaying, median server start and its phases)."""
+    def _summary_metrics(
+        self, study: optuna.Study, plan: dict[str, Any], gains: dict[str, tuple[float, int]]
+    ) -> None:
+        """Parent-run metrics: the front's best gain over the baseline per objective
+        (``gain_pct.<objective>``, positive = better, and ``gain_trial.<objective>``); a capacity
+        study's baseline and best capacity and the gain; every study's trial-time account (share
+        replaying, median server start and its phases)."""
         from optimizer.analysis.capacity import answer_for_plan
 
         assert self.parent is not None
@@ -662,6 +736,9 @@ class _Syncer:
         answer = answer_for_plan(study, plan)
         cost = study_cost(study.get_trials(deepcopy=False))
         values = dict(answer.metrics()) if answer is not None else {}
+        for name, (gain, trial) in gains.items():
+            values[f"gain_pct.{name}"] = gain
+            values[f"gain_trial.{name}"] = float(trial)
         for key, value in (
             ("trial_time.replay_share", cost.replay_share),
             ("trial_time.startup_share", cost.startup_share),
@@ -684,6 +761,7 @@ class _Syncer:
         trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
         hv = hypervolume_history(study.get_trials(deepcopy=False), list(study.directions))
         report = report_md(study, doc, front, hv, ranked, plan, trace)
+        gains = best_gains(doc)
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             pareto = root / "pareto"
@@ -696,14 +774,14 @@ class _Syncer:
                 _log.warning("MLflow: Pareto plots failed: %s", exc)
             (root / "importance.json").write_text(json.dumps(ranked, indent=2, default=str) + "\n")
             (root / "report.md").write_text(report)
-            self._summary_metrics(study, plan)
+            self._summary_metrics(study, plan, gains)
             if plan:
                 for key in ("storage",):
                     if isinstance(plan.get(key), str):
                         plan[key] = _redact(plan[key])
                 (root / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
             self.client.log_artifacts(self.parent.run_id, str(root))
-        self._log(self.parent, tags={_NOTE_TAG: _tag_value(report)})
+        self._log(self.parent, tags={_NOTE_TAG: _note(headline_md(doc, gains) + "\n" + report)})
 
     def sync_all(self) -> SyncSummary:
         """Every finished trial, then the front and the parent's review files."""
@@ -728,6 +806,7 @@ class _Syncer:
             updated=existed,
             duplicates_deleted=self.duplicates_deleted,
             front=tuple(sorted(front)),
+            runs_url=review_url(self.target, self.experiment_id),
         )
 
 
@@ -788,6 +867,12 @@ class Tracker:
         self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._thread.start()
         self._queue.put(("inputs", None))
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The MLflow experiment, once the thread has reached MLflow."""
+        syncer = self._syncer
+        return syncer.experiment_id if syncer is not None else None
 
     @property
     def pending(self) -> set[int]:

@@ -26,10 +26,10 @@ from typing import Any, Protocol, TypeVar
 
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
-from optimizer.capacity.trial import run_capacity
+from optimizer.capacity.trial import CapacityOutcome, run_capacity
 from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
-from optimizer.trial_io import read_records, write_records
+from optimizer.trial_io import TrialProgress, read_records, write_records
 from optimizer.types import (
     FailureClass,
     MemoryAccount,
@@ -148,7 +148,9 @@ def run_trial(
 
     Args:
         spec: The trial.
-        progress: Replay progress callback (not with ``isolate_client``).
+        progress: Replay progress callback (not with ``isolate_client``). Either way the
+            trial's phase and replay progress go to ``progress.json`` in ``spec.workdir``
+            (:class:`~optimizer.trial_io.TrialProgress`), where its driver reads them.
         on_engine_ready: Called with the healthy engine before the replay (runners use it to
             record the server's process group).
         isolate_client: Run the replay client in a fresh process of its own. Inside a Ray actor
@@ -163,7 +165,9 @@ def run_trial(
     """
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
     server = engine if engine is not None else engine_for(spec)
+    reporter = TrialProgress(spec.workdir, forward=progress)
     try:
+        reporter.phase("starting server")
         try:
             server.start()
         except EngineError as exc:
@@ -183,9 +187,12 @@ def run_trial(
         if on_engine_ready is not None:
             on_engine_ready(server)
         if spec.capacity is not None:
-            return _finish(spec, _measure_capacity(spec, server, progress, isolate_client))
-        return _finish(spec, _measure_replay(spec, server, progress, isolate_client))
+            reporter.phase("capacity search")
+            return _finish(spec, _measure_capacity(spec, server, reporter, isolate_client))
+        reporter.phase("replaying")
+        return _finish(spec, _measure_replay(spec, server, reporter, isolate_client))
     finally:
+        reporter.phase("stopping server")
         server.stop()
 
 
@@ -234,7 +241,7 @@ def _measure_capacity(
 ) -> TrialResult:
     """A capacity trial on a healthy server: the rate search, then the server's state."""
     outcome, measured, server_metrics = _client_side(
-        run_capacity, spec, server, progress, isolate_client
+        _capacity, spec, server, progress, isolate_client
     )
     measured.update(records=outcome.records, summary=outcome.summary, capacity=outcome.doc)
     try:
@@ -249,6 +256,17 @@ def _measure_capacity(
         log_path=str(server.log_path),
         **measured,
     )
+
+
+def _capacity(
+    spec: TrialSpec,
+    url: str,
+    progress: Callable[[ReplayProgress], None] | None,
+    boost: bool = False,
+) -> CapacityOutcome:
+    """:func:`run_capacity`, its steps reported to the trial's progress file too."""
+    on_step = progress.step if isinstance(progress, TrialProgress) else None
+    return run_capacity(spec, url, progress, boost, on_step=on_step)
 
 
 def _measure_replay(
@@ -303,7 +321,9 @@ def _in_client(
         with concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn")
         ) as pool:
-            return pool.submit(fn, spec, url, None, True).result()
+            # Only the progress file crosses over (TrialProgress pickles without its forward).
+            reporter = progress if isinstance(progress, TrialProgress) else None
+            return pool.submit(fn, spec, url, reporter, True).result()
     # Boost only now: the server, started above, keeps its normal priority.
     before = os.getpriority(os.PRIO_PROCESS, 0)
     try:

@@ -1,15 +1,32 @@
-"""Per-request records on disk: gzip-compressed JSON lines, one record a line."""
+"""A trial's files: per-request records (gzip-compressed JSON lines, one record a line) and
+the progress file a running trial writes for its driver (:class:`TrialProgress`)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from optimizer.types import RequestRecord
 
-__all__ = ["read_records", "write_records"]
+if TYPE_CHECKING:
+    from optimizer.capacity.search import StepOutcome
+    from optimizer.workload.replay import ReplayProgress
+
+__all__ = [
+    "PROGRESS_FILE",
+    "TrialProgress",
+    "progress_line",
+    "read_progress",
+    "read_records",
+    "write_records",
+]
 
 
 def write_records(records: tuple[RequestRecord, ...] | list[RequestRecord], path: Path) -> None:
@@ -29,3 +46,116 @@ def read_records(path: Path) -> list[RequestRecord]:
             d["chunk_times_s"] = tuple(d["chunk_times_s"])
             out.append(RequestRecord(**d))
     return out
+
+
+# --- progress of a running trial ------------------------------------------------------------------
+
+#: The progress file in a trial's folder (:class:`TrialProgress`, :func:`read_progress`).
+PROGRESS_FILE = "progress.json"
+
+
+class TrialProgress:
+    """A running trial's progress in ``<workdir>/progress.json``, for its driver to poll.
+
+    A trial runs in a Ray actor (or a driver thread) and its replay client in a process of its
+    own, so the driver cannot be called back: each of them writes this small file instead, and
+    the driver reads it every few seconds (:func:`read_progress`). A phase change is written at
+    once; replay progress (the replay's own progress callback, a few times a second, never per
+    request) at most every ``interval_s``; every write replaces the file atomically. Picklable
+    without ``forward``: the isolated client process gets a copy that writes the same file.
+    Never raises: progress is a display aid.
+
+    Args:
+        workdir: The trial's (attempt's) folder.
+        interval_s: Least seconds between two replay-progress writes.
+        forward: Also called with every replay progress (a caller's own display).
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        interval_s: float = 2.0,
+        forward: Callable[[ReplayProgress], None] | None = None,
+    ) -> None:
+        self.path = Path(workdir) / PROGRESS_FILE
+        self.interval_s = interval_s
+        self.forward = forward
+        self.doc: dict[str, Any] = {}
+        self._last = -math.inf
+
+    def phase(self, phase: str, **fields: Any) -> None:
+        """A new phase (``starting server``, ``replaying``, ``capacity search``, ``stopping``)."""
+        self.doc = {"phase": phase, **fields}
+        self._write(force=True)
+
+    def __call__(self, p: ReplayProgress) -> None:
+        """The replay's progress callback."""
+        if self.forward is not None:
+            self.forward(p)
+        self.doc.update(
+            sent=p.sent,
+            completed=p.completed,
+            failed=p.failed,
+            total=p.total,
+            elapsed_s=round(p.elapsed_s, 1),
+            p95_ttft_ms=None if p.p95_ttft_ms is None else round(p.p95_ttft_ms, 1),
+        )
+        self._write(force=p.sent == p.total and p.in_flight == 0)
+
+    def step(self, outcome: StepOutcome) -> None:
+        """A capacity step finished (the capacity search's ``on_step``)."""
+        self.doc = {
+            "phase": "capacity search",
+            "steps_done": int(self.doc.get("steps_done", 0)) + 1,
+            "last_scale": outcome.scale,
+            "last_verdict": outcome.reason or "SLOs met",
+        }
+        self._write(force=True)
+
+    def _write(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s:
+            return
+        self._last = now
+        tmp = self.path.with_name(f".{PROGRESS_FILE}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({**self.doc, "updated": time.time()}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["forward"] = None  # a caller's display stays in the caller's process
+        return state
+
+
+def read_progress(workdir: str | Path) -> dict[str, Any] | None:
+    """The progress a running trial last wrote (None: none, or not readable yet)."""
+    try:
+        doc = json.loads((Path(workdir) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def progress_line(doc: Mapping[str, Any]) -> str:
+    """One line of a trial's progress: ``replaying 120/361 done, p95 TTFT so far 840 ms``,
+    ``capacity search: 2 steps done, last x1.4: SLOs met; replaying 40/361 done``."""
+    head = str(doc.get("phase") or "running")
+    if "steps_done" in doc:
+        head += (
+            f": {doc['steps_done']} steps done, last x{float(doc['last_scale']):.3g}: "
+            f"{doc.get('last_verdict', '')}"
+        )
+    if not doc.get("total"):
+        return head
+    replay = f"{doc.get('completed', 0)}/{doc['total']} done"
+    if doc.get("failed"):
+        replay += f" ({doc['failed']} failed)"
+    if doc.get("p95_ttft_ms") is not None:
+        replay += f", p95 TTFT so far {float(doc['p95_ttft_ms']):,.0f} ms"
+    if head == "replaying":
+        return f"replaying {replay}"
+    return f"{head}; replaying {replay}"

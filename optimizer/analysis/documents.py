@@ -16,7 +16,7 @@ from optimizer.analysis.front import trial_class
 from optimizer.analysis.trial_cost import study_cost
 from optimizer.trial_view import TrialView, baseline_of, metric_names
 
-__all__ = ["capacity_section", "report_md"]
+__all__ = ["capacity_section", "headline_md", "report_md"]
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -46,6 +46,40 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
             f"{c.steps} | {c.broke_first or '-'} |"
         )
     return lines
+
+
+def headline_md(doc: list[dict[str, Any]], best: dict[str, tuple[float, int]]) -> str:
+    """The few lines a reviewer reads first (the parent run's description): the best gain over
+    the baseline per objective, as measured during the study.
+
+    Args:
+        doc: :func:`~optimizer.analysis.front.front_doc`.
+        best: :func:`~optimizer.analysis.front.best_gains`.
+    """
+    base = next((r for r in doc if r["baseline"]), None)
+    front = [r["trial"] for r in doc if not r["baseline"]]
+    lines = [
+        "**Best gain over the baseline** (vLLM defaults; positive = better; measured once "
+        "during the study, re-measured only by `export`):",
+        "",
+    ]
+    if base is None:
+        lines.append("- no measured baseline: nothing to compare with")
+    elif not front:
+        lines.append("- no feasible configuration beyond the baseline yet")
+    elif not best:
+        lines.append(
+            "- not a percentage: the baseline measured 0 or nothing comparable (values below)"
+        )
+    for name, (gain, trial) in best.items():
+        lines.append(f"- {name}: {gain:+.1f}% (trial {trial})")
+    lines += [
+        "",
+        f"Pareto front (feasible): {front or 'empty'}; the full report follows and is "
+        "the `report.md` artifact.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def report_md(

@@ -23,6 +23,7 @@ from optimizer.trial_view import TrialView, feasible_front, metric_names
 
 __all__ = [
     "FAILED_STATUSES",
+    "best_gains",
     "finite",
     "front_csv",
     "front_doc",
@@ -75,6 +76,25 @@ def front_doc(study: optuna.Study) -> list[dict[str, Any]]:
                 "engine_args": TrialView(trials[row.number]).engine_args,
             }
         )
+    return out
+
+
+def best_gains(doc: list[dict[str, Any]]) -> dict[str, tuple[float, int]]:
+    """Per objective, the front's largest gain over the baseline (percent, positive = better)
+    and the trial that has it; objectives without a comparable value are left out.
+
+    Args:
+        doc: :func:`front_doc`.
+    """
+    out: dict[str, tuple[float, int]] = {}
+    for row in doc:
+        if row["baseline"]:
+            continue
+        for name, gain in row["gain_pct"].items():
+            if gain is None or not math.isfinite(gain):
+                continue
+            if name not in out or gain > out[name][0]:
+                out[name] = (float(gain), int(row["trial"]))
     return out
 
 

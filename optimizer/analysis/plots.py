@@ -10,7 +10,7 @@ import optuna
 
 from optimizer.trial_view import TrialView, metric_names
 
-__all__ = ["latency_cdf", "plot_front"]
+__all__ = ["latency_cdf", "pareto_html", "plot_front"]
 
 
 def plot_front(study: optuna.Study, front: set[int], folder: Path) -> list[Path]:
@@ -76,18 +76,87 @@ def plot_front(study: optuna.Study, front: set[int], folder: Path) -> list[Path]
             path = folder / f"pareto_{names[i]}__{names[j]}.png"
             fig.savefig(path, dpi=110)
             files.append(path)
-    try:
-        import plotly  # noqa: F401
-
-        html = optuna.visualization.plot_pareto_front(
-            study, target_names=names, include_dominated_trials=True
-        )
-        path = folder / "pareto_front.html"
-        html.write_html(str(path))
-        files.append(path)
-    except Exception:  # plotly not installed, or too few trials: the PNGs suffice
-        pass
+    html = pareto_html(study, front, folder / "pareto_front.html")
+    if html is not None:
+        files.append(html)
     return files
+
+
+def pareto_html(study: optuna.Study, front: set[int], path: Path) -> Path | None:
+    """An interactive plot of the measured trials (plotly), small enough for MLflow's artifact
+    viewer: plotly.js comes from its CDN instead of 4.7 MB inline, and only measured trials are
+    drawn (a failed or rejected trial's placeholder worst values would stretch the axes to 1e9).
+    Offline, the PNG projections beside it show the same points.
+
+    Returns:
+        The file, or None when plotly is missing or there is nothing to draw.
+    """
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        return None
+    names = metric_names(study)
+    trials = [t for t in study.get_trials(deepcopy=False) if TrialView(t).measured]
+    if len(names) < 2 or not trials:
+        return None
+    groups = (
+        ("infeasible (SLO missed)", [t for t in trials if not TrialView(t).feasible], "x"),
+        (
+            "feasible, dominated",
+            [t for t in trials if TrialView(t).feasible and t.number not in front],
+            "circle-open",
+        ),
+        ("Pareto front", [t for t in trials if t.number in front], "circle"),
+        ("baseline (vLLM defaults)", [t for t in trials if TrialView(t).is_baseline], "star"),
+    )
+    arrows = ["↓" if d == optuna.study.StudyDirection.MINIMIZE else "↑" for d in study.directions]
+    fig = go.Figure()
+    for label, group, symbol in groups:
+        if not group:
+            continue
+        text = [
+            f"trial {t.number}<br>"
+            + "<br>".join(f"{k}={v}" for k, v in sorted(TrialView(t).engine_args.items()))
+            for t in group
+        ]
+        columns = [[float(t.values[i]) for t in group] for i in range(len(names))]
+        marker = {"symbol": symbol, "size": 14 if symbol == "star" else 9}
+        if len(names) == 2:
+            fig.add_trace(
+                go.Scatter(
+                    x=columns[0],
+                    y=columns[1],
+                    mode="markers",
+                    name=label,
+                    text=text,
+                    marker=marker,
+                    hovertemplate="%{text}<extra></extra>",
+                )
+            )
+        else:
+            fig.add_trace(
+                go.Splom(
+                    dimensions=[
+                        {"label": f"{n} {a}", "values": c}
+                        for n, a, c in zip(names, arrows, columns, strict=True)
+                    ],
+                    name=label,
+                    text=text,
+                    marker=marker,
+                    diagonal_visible=False,
+                    showupperhalf=False,
+                )
+            )
+    if len(names) == 2:
+        fig.update_layout(
+            xaxis_title=f"{names[0]} {arrows[0]}", yaxis_title=f"{names[1]} {arrows[1]}"
+        )
+    fig.update_layout(
+        title=f"{study.study_name}: measured trials ({len(trials)}), arrows: better direction",
+        template="plotly_white",
+    )
+    fig.write_html(str(path), include_plotlyjs="cdn", full_html=True)
+    return path
 
 
 def latency_cdf(records_path: Path, out: Path) -> bool:

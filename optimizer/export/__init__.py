@@ -15,7 +15,9 @@ study benchmark all call it.
 
 from optimizer.export.choose import POLICIES, default_policy, parse_weights, select_trial
 from optimizer.export.render import (
+    DEPLOY_FORMATS,
     FORMATS,
+    Deployment,
     ExportContext,
     default_filename,
     helm_schema_problems,
@@ -38,9 +40,11 @@ from optimizer.export.workflow import (
 from optimizer.report import changed_args
 
 __all__ = [
+    "DEPLOY_FORMATS",
     "FORMATS",
     "POLICIES",
     "Choice",
+    "Deployment",
     "ExportContext",
     "Submit",
     "Validation",

@@ -24,7 +24,11 @@ import yaml
 from optimizer.errors import ConfigError
 
 __all__ = [
+    "CPU_IMAGE",
+    "DEPLOY_FORMATS",
     "FORMATS",
+    "GPU_IMAGE",
+    "Deployment",
     "ExportContext",
     "default_filename",
     "helm_schema_problems",
@@ -34,12 +38,36 @@ __all__ = [
 ]
 
 FORMATS = ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve")
+#: Formats that run somewhere else than the tuning machine: model, image and GPUs are asked.
+DEPLOY_FORMATS = ("kubernetes", "helm", "ray-serve")
+
+#: vLLM's published images (docs.vllm.ai, "Using Docker"): the CUDA one and the x86 CPU one.
+GPU_IMAGE = "vllm/vllm-openai:latest"
+CPU_IMAGE = "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:latest"
 
 # The values contract of vLLM's production-stack chart for the keys the helm exporter writes.
 HELM_SCHEMA = Path(__file__).parent.parent / "schemas" / "production-stack-values.schema.json"
 
 # Flags that describe where a server runs, not how it serves: never exported.
 _LOCAL_ONLY = frozenset({"load-format", "host", "port", "kv-cache-memory-bytes"})
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where a Kubernetes, Helm or Ray Serve export runs, as the user says (``export`` flags);
+    None: the study's own value (see :class:`ExportContext`'s ``deploy_*``).
+
+    Attributes:
+        model: The model the deployment loads (hub name or a path inside the image).
+        served_model_name: The name clients request (vLLM's ``--served-model-name``).
+        image: Container image.
+        gpus: GPUs per server (0: a CPU deployment).
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    image: str | None = None
+    gpus: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +87,7 @@ class ExportContext:
         env: Environment to carry into the deployment (secrets excluded).
         capacity: Capacity studies: how much of the trace this configuration carried within
             the SLOs, beside the baseline (``CapacityAnswer.export_line``).
+        deployment: What the user set for a deployment format (model, name, image, GPUs).
     """
 
     study: str
@@ -74,6 +103,60 @@ class ExportContext:
     capacity: str = ""
     python: str = "python3"
     notes: tuple[str, ...] = ()
+    deployment: Deployment = field(default_factory=Deployment)
+
+    @property
+    def tuned_on_cpu(self) -> bool:
+        """The study ran on the CPU build (its hardware line says ``CPU (...)``)."""
+        return self.hardware.startswith("CPU")
+
+    @property
+    def deploy_model(self) -> str:
+        """The model a deployment loads: ``--model``, else the study's."""
+        return self.deployment.model or self.model
+
+    @property
+    def deploy_gpus(self) -> int:
+        """GPUs per server of a deployment: ``--gpus``, else 0 for a study tuned on a CPU, else
+        the tuned configuration's (tensor x pipeline parallel)."""
+        if self.deployment.gpus is not None:
+            return self.deployment.gpus
+        return 0 if self.tuned_on_cpu else self.gpus
+
+    @property
+    def deploy_image(self) -> str:
+        """``--image``, else vLLM's CPU image for a server without GPUs, its CUDA image else."""
+        return self.deployment.image or (CPU_IMAGE if self.deploy_gpus == 0 else GPU_IMAGE)
+
+    def deploy_notes(self) -> list[str]:
+        """What a deployment export must warn about (header and console): a study tuned on a
+        CPU, a model that is the tuning machine's path or had no weights, defaults taken."""
+        lines = []
+        if self.tuned_on_cpu:
+            lines.append(
+                f"WARNING: this study ran on a CPU ({self.hardware}), with the CPU build of vLLM: "
+                "its numbers and tuned values (max-num-seqs, token budgets, ...) describe that "
+                "CPU, not a GPU. Tune again on the hardware you deploy to."
+            )
+        if self.deployment.model is None and _local_path(self.model):
+            lines.append(
+                f"Model: {self.model} is a path on the tuning machine; pass --model with the "
+                "hub name or the path inside the image that the deployment loads."
+            )
+        if self.random_weights and self.deployment.model is None:
+            lines.append(
+                "Weights: the study served random weights (its model folder had none); deploy a "
+                "model with real weights (--model)."
+            )
+        if self.deployment.image is None:
+            kind = "CPU" if self.deploy_gpus == 0 else "CUDA"
+            lines.append(f"Image: vLLM's {kind} image {self.deploy_image} (--image to change).")
+        if self.deployment.gpus is None and self.tuned_on_cpu:
+            lines.append(
+                "Resources: no GPU requested, as tuned (--gpus N for a GPU deployment); set the "
+                "CPU and memory requests your nodes need."
+            )
+        return lines
 
     @property
     def random_weights(self) -> bool:
@@ -102,7 +185,8 @@ class ExportContext:
             )
         return lines
 
-    def header(self, comment: str = "#") -> str:
+    def header(self, comment: str = "#", *, deploy: bool = False) -> str:
+        """The comment block every export opens with; ``deploy``: with :meth:`deploy_notes`."""
         lines = [
             f"Exported by vllm-autotune from study '{self.study}', trial {self.trial}.",
             f"Tuned on: {self.vllm}; hardware: {self.hardware}.",
@@ -112,10 +196,22 @@ class ExportContext:
         if self.capacity:
             lines.append(f"Capacity at SLO: {self.capacity}")
         lines += [f"NOTE: {n}" for n in self.notes]
+        if deploy:
+            lines += self.deploy_notes()
         return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
 
     def deploy_args(self) -> dict[str, Any]:
         return {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
+
+
+def _local_path(model: str) -> bool:
+    """True for a filesystem path (``/models/x``, ``./x``, ``~/x``), False for a hub name."""
+    return model.startswith(("/", "./", "../", "~")) or Path(model).is_absolute()
+
+
+def _served_args(ctx: ExportContext) -> list[str]:
+    name = ctx.deployment.served_model_name
+    return ["--served-model-name", name] if name else []
 
 
 def _cli_words(args: Mapping[str, Any]) -> list[str]:
@@ -166,14 +262,13 @@ def _name(ctx: ExportContext) -> str:
 
 def _kubernetes(ctx: ExportContext) -> str:
     name = _name(ctx)
-    resources = {"limits": {"nvidia.com/gpu": ctx.gpus}, "requests": {"nvidia.com/gpu": ctx.gpus}}
-    container = {
+    gpus = ctx.deploy_gpus
+    container: dict[str, Any] = {
         "name": "vllm",
-        "image": "vllm/vllm-openai:latest",
-        "args": ["--model", ctx.model, *_cli_words(ctx.deploy_args())],
+        "image": ctx.deploy_image,
+        "args": ["--model", ctx.deploy_model, *_served_args(ctx), *_cli_words(ctx.deploy_args())],
         "ports": [{"containerPort": 8000, "name": "http"}],
         "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
-        "resources": resources,
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": 8000},
             "initialDelaySeconds": 60,
@@ -185,6 +280,11 @@ def _kubernetes(ctx: ExportContext) -> str:
             "periodSeconds": 30,
         },
     }
+    if gpus:
+        container["resources"] = {
+            "limits": {"nvidia.com/gpu": gpus},
+            "requests": {"nvidia.com/gpu": gpus},
+        }
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -204,7 +304,7 @@ def _kubernetes(ctx: ExportContext) -> str:
         "metadata": {"name": name},
         "spec": {"selector": {"app": name}, "ports": [{"port": 8000, "targetPort": "http"}]},
     }
-    return ctx.header() + yaml.safe_dump_all([deployment, service], sort_keys=False)
+    return ctx.header(deploy=True) + yaml.safe_dump_all([deployment, service], sort_keys=False)
 
 
 # Fields of the production-stack chart's servingEngineSpec.modelSpec[].vllmConfig, with the
@@ -268,18 +368,20 @@ def _helm(ctx: ExportContext) -> str:
             vllm_config[field] = typed
         else:  # no chart field, or a spelling only vLLM's CLI understands: pass it through
             extra += _cli_words({k: v})
+    extra = _served_args(ctx) + extra
     if extra:
         vllm_config["extraArgs"] = extra
+    repository, tag = _image_parts(ctx.deploy_image)
     values = {
         "servingEngineSpec": {
             "modelSpec": [
                 {
                     "name": _name(ctx),
-                    "repository": "vllm/vllm-openai",
-                    "tag": "latest",
-                    "modelURL": ctx.model,
+                    "repository": repository,
+                    "tag": tag,
+                    "modelURL": ctx.deploy_model,
                     "replicaCount": 1,
-                    "requestGPU": ctx.gpus,
+                    "requestGPU": ctx.deploy_gpus,
                     "vllmConfig": vllm_config,
                     "env": [{"name": k, "value": str(v)} for k, v in ctx.env.items()],
                 }
@@ -292,7 +394,15 @@ def _helm(ctx: ExportContext) -> str:
             "the helm values break the exporter's chart contract (please report this): "
             + "; ".join(problems)
         )
-    return ctx.header() + yaml.safe_dump(values, sort_keys=False)
+    return ctx.header(deploy=True) + yaml.safe_dump(values, sort_keys=False)
+
+
+def _image_parts(image: str) -> tuple[str, str]:
+    """``repo/name:tag`` -> (``repo/name``, ``tag``); no tag: ``latest``."""
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag:  # no tag, or the colon was a registry's port
+        return image, "latest"
+    return name, tag
 
 
 def _json_path(parts: Sequence[Any]) -> str:
@@ -362,8 +472,11 @@ def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
         # engine_kwargs are EngineArgs fields: snake_case; the model is model_loading_config's.
         kwargs[k.replace("-", "_")] = v
     llm_config = {
-        "model_loading_config": {"model_id": _name(ctx), "model_source": ctx.model},
-        "accelerator_type": _accelerator_type(ctx.hardware) if ctx.gpus else None,
+        "model_loading_config": {
+            "model_id": ctx.deployment.served_model_name or _name(ctx),
+            "model_source": ctx.deploy_model,
+        },
+        "accelerator_type": _accelerator_type(ctx.hardware) if ctx.deploy_gpus else None,
         "engine_kwargs": kwargs,
         "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
         "runtime_env": {"env_vars": dict(ctx.env)} if ctx.env else None,
@@ -383,7 +496,7 @@ def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
         f"# WARNING: --{f} is not accepted by the vLLM that ray[llm] pins; check it.\n"
         for f in unknown_flags
     )
-    return ctx.header() + warn + yaml.safe_dump(app, sort_keys=False)
+    return ctx.header(deploy=True) + warn + yaml.safe_dump(app, sort_keys=False)
 
 
 def render(fmt: str, ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:

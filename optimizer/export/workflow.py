@@ -22,7 +22,7 @@ import optuna
 from optimizer.engine.defaults import KV_CACHE_ENV
 from optimizer.errors import ConfigError
 from optimizer.export.choose import default_policy, select_trial
-from optimizer.export.render import ExportContext, trace_label
+from optimizer.export.render import Deployment, ExportContext, trace_label
 from optimizer.export.revalidate import Validation, primary_metrics, validate_choice
 from optimizer.export.verdict import NOT_REVALIDATED
 from optimizer.report import changed_args
@@ -224,6 +224,7 @@ def context(
     job: Mapping[str, Any] | None = None,
     study_name: str | None = None,
     capacity: str = "",
+    deployment: Deployment | None = None,
 ) -> ExportContext:
     """What the export's header says, from the study folder's ``plan.json`` document.
 
@@ -234,6 +235,7 @@ def context(
         job: The job document (default: the one in ``plan.json``).
         study_name: The study's name where ``plan.json`` has none.
         capacity: Capacity studies: the capacity line.
+        deployment: Model, served name, image and GPUs the user set for a deployment format.
 
     The job's server environment is carried into the deployment without its secrets.
     """
@@ -257,4 +259,5 @@ def context(
         env={k: str(v) for k, v in env.items() if not is_secret(k)},
         capacity=capacity,
         python=str(engine.get("python") or sys.executable),
+        deployment=deployment or Deployment(),
     )

@@ -122,6 +122,8 @@ class StudyHost:
 
     def _on_event(self, ev: Any) -> None:
         text = f"trial {ev.number} {ev.kind}"
+        if ev.kind == "progress":
+            text += f": {ev.detail}"
         if ev.result is not None:
             text += f": {ev.result.status.value}"
             if ev.result.failure_class is not None:

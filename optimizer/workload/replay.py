@@ -208,6 +208,8 @@ class ReplayProgress:
         completed: Requests finished without error.
         failed: Requests finished with an error.
         in_flight: Requests sent and not finished.
+        p95_ttft_ms: P95 time to first token of the measured (not warm-up) requests that
+            finished well so far, recomputed at most once a second; None before the first.
     """
 
     elapsed_s: float
@@ -216,6 +218,7 @@ class ReplayProgress:
     completed: int
     failed: int
     in_flight: int
+    p95_ttft_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +461,18 @@ class _Run:
         self.in_flight = 0
         self.peak_in_flight = 0
         self._last_progress_s = -float("inf")
+        # TTFTs of measured requests that finished well, for progress displays only.
+        self.ttft_ms: list[float] = []
+        self._p95_ttft: tuple[float, float | None] = (-float("inf"), None)
+
+    def _p95_ttft_so_far(self, now_s: float) -> float | None:
+        """P95 of :attr:`ttft_ms` (numpy's linear percentile), cached for a second."""
+        at, value = self._p95_ttft
+        if now_s - at < 1.0 or not self.ttft_ms:
+            return value
+        value = float(np.percentile(self.ttft_ms, 95))
+        self._p95_ttft = (now_s, value)
+        return value
 
     def emit_progress(self, *, force: bool = False) -> None:
         if self.progress is None:
@@ -474,6 +489,7 @@ class _Run:
                 completed=self.completed,
                 failed=self.failed,
                 in_flight=self.in_flight,
+                p95_ttft_ms=self._p95_ttft_so_far(now_s),
             )
         )
 
@@ -647,6 +663,8 @@ class _Run:
         )
         self.finished.append(record)
         self.in_flight -= 1
+        if error is None and chunk_times and self.progress is not None and not record.warmup:
+            self.ttft_ms.append((chunk_times[0] - sent_s) * 1000.0)
         if error is None:
             self.completed += 1
         else:

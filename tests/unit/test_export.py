@@ -16,6 +16,7 @@ from optuna.study import StudyDirection
 
 from optimizer import export as ex
 from optimizer.errors import ConfigError
+from optimizer.export.render import CPU_IMAGE, GPU_IMAGE
 from optimizer.types import EngineConfig, Trace, TraceRequest, TrialResult, TrialSpec, TrialStatus
 from tests.unit.test_study_loop import FakeRunner, _driver
 
@@ -707,3 +708,109 @@ def test_export_prints_the_verdict_and_a_later_no_validate_export_reuses_it(
     noisy = _fake_validation([101, 99, 104], [100, 103, 98])
     lines = ex.verdict_lines(noisy, study, ex.choose(study, "max-throughput"))
     assert "within the noise" in lines[0] and "no gain beyond the noise" in lines[-1]
+
+
+# --- issue 17: a study tuned on a CPU, deployed somewhere else ----------------------------------
+
+
+def _container(kubernetes_yaml: str) -> dict[str, Any]:
+    deployment = next(iter(yaml.safe_load_all(kubernetes_yaml)))
+    return dict(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def _cpu_ctx(**deployment: Any) -> ex.ExportContext:
+    return replace(_ctx(), hardware="CPU (2 cores)", gpus=1, deployment=ex.Deployment(**deployment))
+
+
+def test_a_cpu_study_deploys_without_a_gpu_and_warns_that_it_ran_on_a_cpu() -> None:
+    ctx = _cpu_ctx()
+    text = ex.render("kubernetes", ctx)
+    header = [ln for ln in text.splitlines() if ln.startswith("#")]
+    assert any("WARNING: this study ran on a CPU (CPU (2 cores))" in ln for ln in header)
+    assert any("/models/llama8b is a path on the tuning machine" in ln for ln in header)
+    assert any("random weights" in ln for ln in header)
+    dep, _ = list(yaml.safe_load_all(text))
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in text and "resources" not in container
+    assert container["image"] == CPU_IMAGE
+
+    helm_text = ex.render("helm", ctx)
+    assert "WARNING: this study ran on a CPU" in helm_text
+    spec = yaml.safe_load(helm_text)["servingEngineSpec"]["modelSpec"][0]
+    assert spec["requestGPU"] == 0
+    assert f"{spec['repository']}:{spec['tag']}" == CPU_IMAGE
+
+    ray = ex.render("ray-serve", ctx)
+    assert "WARNING: this study ran on a CPU" in ray
+    assert (
+        "accelerator_type" not in yaml.safe_load(ray)["applications"][0]["args"]["llm_configs"][0]
+    )
+    # A local export runs on the tuning machine as tuned: no deployment warning there.
+    assert "WARNING" not in ex.render("vllm-config", ctx)
+    # A GPU study keeps its GPUs and the CUDA image, and says nothing about a CPU.
+    gpu = ex.render("kubernetes", _ctx())
+    assert "nvidia.com/gpu: 1" in gpu and "ran on a CPU" not in gpu
+
+
+def test_deployment_flags_set_model_served_name_image_and_gpus() -> None:
+    ctx = _cpu_ctx(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        served_model_name="llama",
+        image="registry.local:5000/vllm-openai:v0.26.0",
+        gpus=2,
+    )
+    text = ex.render("kubernetes", ctx)
+    assert "WARNING: this study ran on a CPU" in text  # still said: the numbers are a CPU's
+    assert "path on the tuning machine" not in text and "Image:" not in text
+    container = _container(text)
+    assert container["args"][:4] == [
+        "--model",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--served-model-name",
+        "llama",
+    ]
+    assert container["image"] == "registry.local:5000/vllm-openai:v0.26.0"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+    spec = yaml.safe_load(ex.render("helm", ctx))["servingEngineSpec"]["modelSpec"][0]
+    assert (spec["repository"], spec["tag"]) == ("registry.local:5000/vllm-openai", "v0.26.0")
+    assert spec["modelURL"] == "meta-llama/Llama-3.1-8B-Instruct" and spec["requestGPU"] == 2
+    assert spec["vllmConfig"]["extraArgs"][:2] == ["--served-model-name", "llama"]
+    untagged = ex.render("helm", _cpu_ctx(image="registry.local:5000/vllm"))
+    spec = yaml.safe_load(untagged)["servingEngineSpec"]["modelSpec"][0]
+    assert (spec["repository"], spec["tag"]) == ("registry.local:5000/vllm", "latest")
+
+    llm = yaml.safe_load(ex.render("ray-serve", ctx))["applications"][0]["args"]["llm_configs"][0]
+    assert llm["model_loading_config"] == {
+        "model_id": "llama",
+        "model_source": "meta-llama/Llama-3.1-8B-Instruct",
+    }
+
+
+def test_export_cli_warns_for_a_cpu_study_and_takes_the_deployment_flags(
+    study_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from optimizer.cli import main
+
+    folder = tmp_path / "copy"  # a study folder is self-contained: a copy exports alike
+    shutil.copytree(study_dir, folder)
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["hardware"] = "CPU (2 cores)"
+    (folder / "plan.json").write_text(json.dumps(plan))
+    base = ["export", str(folder), "--format", "kubernetes", "--no-validate"]
+    out = tmp_path / "k8s.yaml"
+    assert main([*base, "--out", str(out)]) == 0
+    console = capsys.readouterr().out
+    assert "WARNING: this study ran on a CPU" in console
+    assert "nvidia.com/gpu" not in out.read_text()
+    assert main([*base, "--out", str(out), "--gpus", "1", "--model", "org/model"]) == 0
+    container = _container(out.read_text())
+    assert container["args"][:2] == ["--model", "org/model"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert container["image"] == GPU_IMAGE
+    # Deployment flags on a local format are a mistake, said so.
+    local = ["export", str(folder), "--format", "vllm-config", "--no-validate", "--gpus", "1"]
+    assert main([*local, "--out", str(tmp_path / "v.yaml")]) == 2
+    assert "--gpus: for a deployment" in capsys.readouterr().err

@@ -353,3 +353,123 @@ def test_a_copied_study_folder_logs_to_its_own_mlflow_store(tmp_path: Path) -> N
     assert target.tracking_uri == tracking.local_tracking_uri(copy)
     assert target.storage_url == f"sqlite:///{(copy / 'study.db').resolve()}"
     assert target.artifact_root == (copy / "mlartifacts").resolve()
+
+
+# --- issue 17: what a reviewer sees first -------------------------------------------------------
+
+REJECTED = {"max-num-seqs": 128, "max-num-batched-tokens": 64, "kv-cache-memory-bytes": 268435456}
+FAILING = {**DOMINATING, "kv-cache-memory-bytes": 1}
+
+
+def test_experiment_opens_on_the_runs_table_not_the_genai_pages(tmp_path: Path) -> None:
+    study, tracker, _ = _run(tmp_path, trials=2)
+    assert tracker.finish(study)
+    uri = tracking.local_tracking_uri(tmp_path / "out")
+    exp = MlflowClient(uri).get_experiment_by_name("fake-mlflow")
+    assert exp is not None
+    # MLflow 3 shows traces (GenAI) unless the experiment says it develops models ...
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    # ... and its UI with the GenAI / ML switch reads the switch from the URL.
+    assert tracker.experiment_id == exp.experiment_id
+    summary = tracking.sync_study(tmp_path / "out")
+    assert summary.runs_url == (
+        f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
+        "?workflowType=machine_learning"
+    )
+    # An experiment a user already marked otherwise keeps the user's choice.
+    MlflowClient(uri).set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "x")
+    tracking.sync_study(tmp_path / "out")
+    exp = MlflowClient(uri).get_experiment(exp.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "x"
+
+
+def test_bad_trials_look_different_in_the_runs_list(tmp_path: Path) -> None:
+    study, tracker, _ = _run(tmp_path, trials=4, enqueue=[DOMINATING, REJECTED, FAILING])
+    assert tracker.finish(study)
+    _, children = _runs(tracking.local_tracking_uri(tmp_path / "out"))
+    runs = _by_trial(children)
+    statuses = {t.number: t.user_attrs["status"] for t in study.get_trials()}
+    assert statuses == {0: "complete", 1: "complete", 2: "rejected", 3: "failed"}
+    seen = {
+        n: (r.info.status, r.data.tags["mlflow.runName"], r.data.tags["class"])
+        for n, r in runs.items()
+    }
+    assert seen[0][:2] == ("FINISHED", "baseline")
+    assert seen[1][:2] == ("FINISHED", "trial-0001")
+    assert seen[2] == ("KILLED", "trial-0002 rejected", "rejected")
+    assert seen[3] == ("FAILED", "trial-0003 failed", "failed")
+    assert runs[2].info.run_name == "trial-0002 rejected"  # what the runs list shows
+
+
+def test_a_trial_that_missed_its_slos_is_named_so(tmp_path: Path) -> None:
+    # p95_ttft_ms of max-num-seqs 8 is 2000/sqrt(8)+10 = 717 ms: over a 500 ms SLO.
+    slow = {"max-num-seqs": 8, "max-num-batched-tokens": 4096, "kv-cache-memory-bytes": 268435456}
+    study, tracker, _ = _run(
+        tmp_path,
+        trials=2,
+        enqueue=[slow],
+        objectives={"preset": "default", "slos": ["p95_ttft_ms<=500"]},
+    )
+    assert tracker.finish(study)
+    _, children = _runs(tracking.local_tracking_uri(tmp_path / "out"))
+    run = _by_trial(children)[1]
+    assert run.data.tags["mlflow.runName"] == "trial-0001 slo missed"
+    assert run.data.tags["slo_met"] == "false" and run.info.status == "FINISHED"
+
+
+def test_pareto_html_is_small_and_draws_only_measured_trials(tmp_path: Path) -> None:
+    study, tracker, _ = _run(tmp_path, trials=4, enqueue=[DOMINATING, REJECTED, FAILING])
+    assert tracker.finish(study)
+    uri = tracking.local_tracking_uri(tmp_path / "out")
+    parent, _ = _runs(uri)
+    html = Path(
+        MlflowClient(uri).download_artifacts(
+            parent.info.run_id, "pareto/pareto_front.html", str(tmp_path)
+        )
+    )
+    text = html.read_text()
+    assert html.stat().st_size < 100_000, "plotly.js must come from the CDN, not inline"
+    assert "cdn.plot.ly" in text
+    # Trials 2 (rejected) and 3 (failed) carry 1e9 placeholders: never drawn.
+    assert "1000000000" not in text and "1e+09" not in text and "1e9" not in text
+
+    def drawn(n: int) -> bool:  # hover texts, "<" as plotly's JSON escapes it
+        return f"trial {n}\\u003cbr" in text or f"trial {n}<br>" in text
+
+    assert drawn(0) and drawn(1) and not drawn(2) and not drawn(3)
+
+
+def test_parent_run_holds_the_gain_over_the_baseline_and_the_report_up_front(
+    tmp_path: Path,
+) -> None:
+    study, tracker, _ = _run(tmp_path, trials=2, enqueue=[DOMINATING])
+    assert tracker.finish(study)
+    uri = tracking.local_tracking_uri(tmp_path / "out")
+    parent, _ = _runs(uri)
+    base, best = study.get_trials()[0], study.get_trials()[1]
+    assert 1 in _front(study)
+    metrics = parent.data.metrics
+    ttft_gain = (1 - best.values[0] / base.values[0]) * 100  # minimized: lower is a gain
+    assert metrics["gain_pct.p95_ttft_ms"] == pytest.approx(ttft_gain)
+    assert metrics["gain_trial.p95_ttft_ms"] == 1
+    assert {k for k in metrics if k.startswith("gain_pct.")} == {
+        f"gain_pct.{n}" for n in study.metric_names or []
+    }
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("**Best gain over the baseline**")
+    assert f"- p95_ttft_ms: {ttft_gain:+.1f}% (trial 1)" in note
+    assert "# Study `fake-mlflow`" in note  # the report follows the headline
+
+
+def test_the_headline_says_why_there_is_no_percentage() -> None:
+    from optimizer.analysis.documents import headline_md
+    from optimizer.analysis.front import best_gains
+
+    base = {"trial": 0, "baseline": True, "gain_pct": {"capacity_rps": None}}
+    best = {"trial": 3, "baseline": False, "gain_pct": {"capacity_rps": None}}
+    # A capacity study whose baseline carried nothing: a front, but no percentage.
+    text = headline_md([base, best], best_gains([base, best]))
+    assert "not a percentage: the baseline measured 0" in text and "[3]" in text
+    assert "no feasible configuration beyond the baseline yet" in headline_md([base], {})
+    gained = {**best, "gain_pct": {"capacity_rps": 40.0}}
+    assert "- capacity_rps: +40.0% (trial 3)" in headline_md([base, gained], best_gains([gained]))
