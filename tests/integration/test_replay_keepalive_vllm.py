@@ -91,7 +91,10 @@ def test_real_server_stall_across_its_idle_timeout(shared_server: EngineProcess)
     errors = [r.error for r in after.records if r.error is not None]
     print(f"now: {len(errors)} failed, {after.retried} retried on a fresh connection")
     assert errors == []
-    # The race did happen (the old settings lost requests) and was absorbed now.
+    # The race did happen (the old settings lost requests) and was absorbed now: by a retry on
+    # a fresh connection, or by connections the client had already let expire (which of the
+    # two depends on how long phase 1 took on this machine; CI saw both). The retry path
+    # itself is checked deterministically in tests/unit/workload/test_replay_keepalive.py.
     assert old_errors, "the stall did not reproduce the race with the old settings"
     assert all("no detail" not in e for e in old_errors)
-    assert after.retried > 0
+    assert len(after.records) == len(before.records)
