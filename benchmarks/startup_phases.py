@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from optimizer.config import load_job
+from optimizer.engine.defaults import compile_cache_env
 from optimizer.engine.process import EngineProcess
 from optimizer.engine.startup import PHASES, phase_label
 from optimizer.study import prepare
@@ -44,14 +45,6 @@ from optimizer.trial import run_trial
 from optimizer.types import EngineConfig
 
 _DEFAULT_CONFIGS = '[{"max-num-seqs": 64, "max-num-batched-tokens": 4096}, {"max-num-seqs": 192}]'
-
-
-def _cache_env(root: Path) -> dict[str, str]:
-    return {
-        "VLLM_CACHE_ROOT": str(root / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-        "TRITON_CACHE_DIR": str(root / "triton"),
-    }
 
 
 def _start(
@@ -66,7 +59,7 @@ def _start(
     config = EngineConfig(
         model=engine_cfg.model,
         args={**engine_cfg.args, **args},
-        env={**engine_cfg.env, **_cache_env(cache)},
+        env={**engine_cfg.env, **compile_cache_env(cache)},
     )
     engine = EngineProcess(config, log_path=log, startup_timeout_s=timeout_s, preload=preload)
     row: dict[str, Any] = {"args": args, "preload": preload}
@@ -103,7 +96,7 @@ def _parity(plan: Any, out: Path, cache: Path, timeout_s: float) -> list[dict[st
             engine=EngineConfig(
                 model=spec.engine.model,
                 args=spec.engine.args,
-                env={**spec.engine.env, **_cache_env(cache)},
+                env={**spec.engine.env, **compile_cache_env(cache)},
             ),
         )
         engine = EngineProcess(

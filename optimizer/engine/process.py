@@ -403,16 +403,7 @@ class EngineProcess:
             if code is not None:
                 self._raise_failure(code)
             if time.monotonic() > t0 + self.startup_timeout_s:
-                raise EngineError(
-                    "the preloaded interpreter did not import vLLM in "
-                    f"{self.startup_timeout_s:.0f} s",
-                    failure_class=FailureClass.STARTUP_TIMEOUT,
-                    log_lines=tuple(self.log_text().splitlines()[-LOG_TAIL_LINES:]),
-                    log_path=str(self.log_path),
-                    explanation=explain(
-                        FailureClass.STARTUP_TIMEOUT, f"{self.startup_timeout_s:.0f} s"
-                    ),
-                )
+                raise self._timeout_error("the preloaded interpreter did not import vLLM in")
             time.sleep(0.02)
         self.preload_s = time.monotonic() - self._prepared_at
 
@@ -494,17 +485,20 @@ class EngineProcess:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    lines = tuple(self.log_text().splitlines()[-LOG_TAIL_LINES:])
-                    raise EngineError(
-                        f"server not healthy after {self.startup_timeout_s:.0f} s",
-                        failure_class=FailureClass.STARTUP_TIMEOUT,
-                        log_lines=lines,
-                        log_path=str(self.log_path),
-                        explanation=explain(
-                            FailureClass.STARTUP_TIMEOUT, f"{self.startup_timeout_s:.0f} s"
-                        ),
-                    )
+                    raise self._timeout_error("server not healthy after")
                 time.sleep(_POLL_S)
+
+    def _timeout_error(self, what: str) -> EngineError:
+        """A start that ran past ``startup_timeout_s``: ``what`` (e.g. "server not healthy
+        after") and the limit, with the log's tail."""
+        limit = f"{self.startup_timeout_s:.0f} s"
+        return EngineError(
+            f"{what} {limit}",
+            failure_class=FailureClass.STARTUP_TIMEOUT,
+            log_lines=tuple(self.log_text().splitlines()[-LOG_TAIL_LINES:]),
+            log_path=str(self.log_path),
+            explanation=explain(FailureClass.STARTUP_TIMEOUT, limit),
+        )
 
     def _exit_code(self) -> int | None:
         """The server's exit code once it ended (-1: the group vanished without a word)."""
