@@ -24,10 +24,10 @@ from optimizer.workload.replay import ReplayResult
 from tests.fakes.trials import FakeEngine
 
 
-def _spec(tmp_path: Path, n: int = 12) -> TrialSpec:
+def _spec(tmp_path: Path, n: int = 12, gap_s: float = 0.05) -> TrialSpec:
     trace = Trace(
         requests=tuple(
-            TraceRequest(arrival_s=0.05 * i, input_tokens=8, output_tokens=4) for i in range(n)
+            TraceRequest(arrival_s=gap_s * i, input_tokens=8, output_tokens=4) for i in range(n)
         ),
     )
     return TrialSpec(

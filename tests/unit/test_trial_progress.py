@@ -18,28 +18,11 @@ from optimizer import trial as trial_mod
 from optimizer.capacity.search import StepOutcome
 from optimizer.study import StudyEvent
 from optimizer.trial_io import TrialProgress, progress_line, read_progress
-from optimizer.types import EngineConfig, Trace, TraceRequest, TrialSpec, TrialStatus
+from optimizer.types import TrialSpec, TrialStatus
 from optimizer.workload.replay import ReplayProgress
 from tests.fakes.trials import FakeEngine, FakeHandle
 from tests.unit.test_study_loop import FakeRunner, _driver
-
-
-def _spec(tmp_path: Path, n: int, gap_s: float) -> TrialSpec:
-    trace = Trace(
-        requests=tuple(
-            TraceRequest(arrival_s=gap_s * i, input_tokens=8, output_tokens=4) for i in range(n)
-        ),
-    )
-    return TrialSpec(
-        number=3,
-        engine=EngineConfig(model="fake-model", args={}),
-        trace=trace,
-        workdir=str(tmp_path / "trial"),
-        token_range=(1000, 2000),
-        seed=1,
-        warmup_requests=2,
-        max_send_lag_ms=1000.0,
-    )
+from tests.unit.test_trial_outcomes import _spec
 
 
 def test_run_trial_writes_its_phases_and_replay_progress_but_not_per_request(
