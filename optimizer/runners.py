@@ -121,7 +121,8 @@ class _TrialActor:
         if engine is None and self._engine_factory is not None:
             engine = self._engine_factory(spec)
 
-        def ready(_server: Any) -> None:
+        def ready(server: Any) -> None:
+            _record_placement(server, Path(spec.workdir) / "placement.json")
             if spec.preload_next:
                 self._warm = _prepare_next(spec)
 
@@ -151,6 +152,28 @@ class _TrialActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }
+
+
+def _record_placement(server: Any, path: Path) -> None:
+    """Write where the trial's healthy server runs (:func:`optimizer.engine.gpus.placement`):
+    the actor's ``CUDA_VISIBLE_DEVICES`` and Ray GPU ids beside ``nvidia-smi``'s processes.
+    Never fails the trial."""
+    import json
+
+    import ray
+
+    from optimizer.engine.gpus import placement
+    from optimizer.engine.process import group_alive_pids
+
+    try:
+        pgid = getattr(server, "pgid", None)
+        pids = group_alive_pids(pgid) if pgid is not None else []
+        doc = placement(pids, os.environ, ray.get_gpu_ids())
+        doc["server_pids"] = pids
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    except Exception as exc:  # a record, not a measurement: the trial goes on
+        with contextlib.suppress(OSError):
+            path.write_text(json.dumps({"error": repr(exc)}) + "\n")
 
 
 def _prepare_next(spec: TrialSpec) -> Any:

@@ -3,25 +3,28 @@
 Every ``interval_s``: the gauges and the preemption counter of ``/metrics`` (KV-cache usage,
 running, waiting), the resident memory of the server's whole process group (psutil: the API
 server, the engine core and their workers), and, where ``nvidia-smi`` exists, the GPU memory
-its processes use. A sample that cannot be read keeps None in its fields; sampling never fails
+its processes use (or its visible GPUs hold, where ``nvidia-smi`` lists other pids:
+:func:`optimizer.engine.gpus.server_gpu_mib`). A sample that cannot be read keeps None in its
+fields; sampling never fails
 the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 
 import psutil
 
+from optimizer.engine.gpus import server_gpu_mib
 from optimizer.engine.process import group_alive_pids
 from optimizer.stability.verdicts import Sample
 
-__all__ = ["Sampler", "gpu_mib", "group_rss_mib"]
+__all__ = ["Sampler", "group_rss_mib"]
 
 _MIB = 1024.0 * 1024.0
 _GAUGES = {
@@ -40,33 +43,6 @@ def group_rss_mib(pgid: int) -> float | None:
             total += psutil.Process(pid).memory_info().rss
             seen = True
     return total / _MIB if seen else None
-
-
-def gpu_mib(pids: set[int]) -> float | None:
-    """GPU memory (MiB) the given processes use, by ``nvidia-smi``; None without one."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-compute-apps=pid,used_memory",
-                "--format=csv,noheader,nounits",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    used = 0.0
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
-            with contextlib.suppress(ValueError):
-                used += float(parts[1])
-    return used
 
 
 class Sampler:
@@ -128,5 +104,7 @@ class Sampler:
         rss = group_rss_mib(self.pgid) if self.pgid is not None else None
         gpu = None
         if self.gpu and self.pgid is not None:
-            gpu = gpu_mib(set(group_alive_pids(self.pgid)))
+            gpu = server_gpu_mib(
+                group_alive_pids(self.pgid), os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
         return Sample(t_s=t, rss_mib=rss, gpu_mib=gpu, **values)

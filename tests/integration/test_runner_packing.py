@@ -87,6 +87,11 @@ def _drive(runner: RayRunner, tmp_path: Path, sizes: list[int], first: int) -> d
         ids = [g for g in note["cuda_visible_devices"].split(",") if g]
         # The trial's process saw exactly the GPUs it asked for, distinct ones.
         assert len(ids) == gpus == len(set(ids)), (number, note)
+        # The runner's placement record (issue 19) names the same GPUs: Ray's ids for the actor
+        # and the CUDA_VISIBLE_DEVICES its server inherits (no nvidia-smi here: nothing more).
+        placed = json.loads((tmp_path / f"trial-{number}" / "placement.json").read_text())
+        assert placed["cuda_visible_devices"] == note["cuda_visible_devices"], placed
+        assert set(placed["ray_gpu_ids"]) == set(ids), placed
         notes[number] = {**note, "ids": set(ids), "gpus": gpus}
     assert sorted(notes) == [first + k for k in range(len(sizes))]
     return notes
