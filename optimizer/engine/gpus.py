@@ -124,7 +124,7 @@ def server_gpu_mib(pids: Iterable[int], cuda_visible_devices: str | None) -> flo
 
 
 def placement(
-    pids: Iterable[int], env: Mapping[str, str | None], ray_gpu_ids: Iterable[str] = ()
+    pids: Iterable[int], env: Mapping[str, str | None], ray_gpu_ids: Iterable[object] = ()
 ) -> dict[str, Any]:
     """Where a server runs: the ``CUDA_VISIBLE_DEVICES`` it was given, the GPUs that names, the
     processes ``nvidia-smi`` lists on each GPU (the server's marked), and ``ok``: every
@@ -143,8 +143,7 @@ def placement(
     by_uuid = {g.uuid: g.index for g in listed}
     pidset = set(pids)
     procs = [
-        {**asdict(a), "gpu_index": by_uuid.get(a.gpu_uuid), "server": a.pid in pidset}
-        for a in apps
+        {**asdict(a), "gpu_index": by_uuid.get(a.gpu_uuid), "server": a.pid in pidset} for a in apps
     ]
     ours = [p for p in procs if p["server"]]
     allowed = {g.uuid for g in visible}
@@ -161,4 +160,3 @@ def placement(
             "the memory on each GPU above is the evidence"
         )
     return doc
-
