@@ -7,7 +7,7 @@ Log lines carry whole seconds, so each gap is the time between two lines' timest
 saw them appear (read every 0.2 s), not vLLM's own clock.
 
 Usage:
-    python -m benchmarks.start_gaps JOB.yaml [--preload] [--out runs/start-gaps] [--top 8]
+    python -m benchmarks.start_gaps JOB.yaml [--preload] [--env K=V] [--out DIR] [--top 8]
     python -m benchmarks.start_gaps --log ENGINE_LOG [--top 8]    (a log written before)
 """
 
@@ -36,7 +36,7 @@ def gaps(lines: list[str], top: int) -> list[tuple[int, str, str]]:
     return sorted(found, key=lambda g: -g[0])[:top]
 
 
-def _start(job: str, out: Path, preload: bool) -> Path:
+def _start(job: str, out: Path, preload: bool, extra_env: dict[str, str]) -> Path:
     from optimizer.config import load_job
     from optimizer.engine.process import EngineProcess
     from optimizer.study import prepare
@@ -48,7 +48,7 @@ def _start(job: str, out: Path, preload: bool) -> Path:
     engine_cfg = EngineConfig(
         model=spec.engine.model,
         args=spec.engine.args,
-        env={**spec.engine.env, "VLLM_LOGGING_LEVEL": "DEBUG"},
+        env={**spec.engine.env, **extra_env, "VLLM_LOGGING_LEVEL": "DEBUG"},
     )
     log = out / "start" / "engine.log"
     engine = EngineProcess(
@@ -75,12 +75,14 @@ def main() -> int:
     ap.add_argument("job", nargs="?")
     ap.add_argument("--log", help="read this engine log instead of starting a server")
     ap.add_argument("--preload", action="store_true", help="start from a preloaded interpreter")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
     ap.add_argument("--out", default="runs/start-gaps")
     ap.add_argument("--top", type=int, default=8)
     ns = ap.parse_args()
     if (ns.job is None) == (ns.log is None):
         ap.error("give a JOB file or --log ENGINE_LOG")
-    log = Path(ns.log) if ns.log else _start(ns.job, Path(ns.out), ns.preload)
+    extra = dict(kv.split("=", 1) for kv in ns.env)
+    log = Path(ns.log) if ns.log else _start(ns.job, Path(ns.out), ns.preload, extra)
     lines = log.read_text(errors="replace").splitlines()
     print(f"longest silences in {log} ({len(lines)} lines):")
     for s, before, after in gaps(lines, ns.top):
