@@ -128,9 +128,7 @@ def recorded_stack(saved: Mapping[str, Any]) -> dict[str, str]:
 
 
 def stack_changes(then: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
-    """``key: then -> now`` for every key whose value differs (``?`` where one side has none)."""
-    keys = [k for k in STACK_KEYS if k in then or k in now]
-    keys += sorted((set(then) | set(now)) - set(keys))
-    return [
-        f"{k}: {then.get(k, '?')} -> {now.get(k, '?')}" for k in keys if then.get(k) != now.get(k)
-    ]
+    """``key: then -> now`` for every item recorded at the study whose value differs now (an
+    item the study did not record is no change: it is unknown)."""
+    keys = [k for k in STACK_KEYS if k in then] + sorted(set(then) - set(STACK_KEYS))
+    return [f"{k}: {then[k]} -> {now.get(k, '?')}" for k in keys if then[k] != now.get(k)]

@@ -311,8 +311,11 @@ def run_regress(
     plan = _prepare(folder, saved)
     then = recorded_stack(saved)
     now_stack = installed_stack(plan.job.engine.python, cpu_build=plan.context.cpu_build)
-    for line in stack_changes(then, now_stack) or ["nothing recorded differs"]:
-        say(f"installed: {line}")
+    for line in stack_changes(then, now_stack) or ["nothing the study recorded differs"]:
+        say(f"installed since the study: {line}")
+    unknown = [k for k in now_stack if k not in then]
+    if unknown:
+        say(f"not recorded at the study: {', '.join(unknown)}")
     refused = _flag_problems(plan, configs)
     runs_dir = Path(folder) / "regress" / time.strftime("%Y%m%d-%H%M%S")
     runner = make_runner(plan)

@@ -157,7 +157,7 @@ def test_refused_flags_are_a_configuration_that_no_longer_runs(
 
 
 def test_export_re_validations_count_as_recorded_runs(study_dir: Path) -> None:
-    saved, study = cli._load_study_dir(study_dir)
+    _saved, study = cli._load_study_dir(study_dir)
     view = TrialView(study.trials[0])
     for i, (args, status) in enumerate(
         [(view.engine_args, "complete"), ({"other": 1}, "complete"), (view.engine_args, "failed")]
