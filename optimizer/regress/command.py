@@ -46,7 +46,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_regress(ns: argparse.Namespace) -> int:
-    """Exit 0 when no figure moved beyond the noise for the worse, 4 when one did."""
+    """Exit 0 when no figure moved beyond the noise for the worse, 4 when one did, 3 when a
+    configuration could not be measured (every replay invalid: the client could not keep up)."""
     from optimizer.cli import _load_study_dir, _make_runner, console
     from optimizer.regress.workflow import REGRESS_FILE, RegressOptions, run_regress
 
@@ -67,16 +68,16 @@ def cmd_regress(ns: argparse.Namespace) -> int:
     console.print(stack_table(doc))
     for label, conf in doc["configurations"].items():
         console.print(figure_table(label, conf, doc["runs"]))
-        for failure in conf["failures"]:
+        for failure in [*conf["failures"], *conf["unscored"]]:
             console.print(f"  [yellow]{label} {escape(failure)}[/]")
     for gain in doc["gain_vs_baseline"]:
         console.print(f"gain over the baseline, {gain['figure']}: {_gain_text(gain)}")
-    style = "bold red" if doc["regressed"] else "bold green"
-    console.print(f"[{style}]{escape(doc['verdict'])}[/]")
+    ok = not doc["regressed"] and doc["measured"]
+    console.print(f"[{'bold green' if ok else 'bold red'}]{escape(doc['verdict'])}[/]")
     for line in doc["worse"]:
         console.print(f"  [red]worse:[/] {escape(line)}")
     console.print(f"wrote {folder / REGRESS_FILE}")
-    return 4 if doc["regressed"] else 0
+    return 4 if doc["regressed"] else (0 if doc["measured"] else 3)
 
 
 def _gain_text(gain: dict[str, Any]) -> str:

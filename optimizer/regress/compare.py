@@ -199,7 +199,9 @@ class ConfigComparison:
         figures: One row per figure.
         slos: The SLO row.
         runs: Runs attempted now.
-        failures: Why runs failed now (one line each).
+        failures: Why runs failed now (one line each): the server's failures.
+        unscored: Runs whose replay the client could not keep on schedule (after retries):
+            not the server's failure, and not a measurement either.
     """
 
     label: str
@@ -208,11 +210,22 @@ class ConfigComparison:
     slos: SloRow
     runs: int
     failures: tuple[str, ...] = field(default_factory=tuple)
+    unscored: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def measured(self) -> int:
+        """Runs now that measured the server."""
+        return max(0, self.runs - len(self.failures) - len(self.unscored))
 
     @property
     def no_longer_runs(self) -> bool:
-        """Every run now failed: nothing was measured."""
-        return self.runs > 0 and len(self.failures) >= self.runs
+        """No run now measured anything and the server failed in some: it no longer serves."""
+        return self.runs > 0 and self.measured == 0 and bool(self.failures)
+
+    @property
+    def not_measured(self) -> bool:
+        """No run now measured anything, and not for the server's fault (invalid replays)."""
+        return self.runs > 0 and self.measured == 0 and not self.failures
 
     def worse(self) -> list[str]:
         """What regressed, one line each (empty: nothing)."""
@@ -240,7 +253,9 @@ class ConfigComparison:
         return {
             "trial": self.trial,
             "runs": self.runs,
+            "measured": self.measured,
             "failures": list(self.failures),
+            "unscored": list(self.unscored),
             "figures": [r.doc() for r in self.figures],
             "slos": self.slos.doc(),
             "worse": self.worse(),
@@ -258,13 +273,21 @@ def _change_text(row: FigureRow) -> str:
 
 
 def verdict(configs: Sequence[ConfigComparison]) -> tuple[str, list[str]]:
-    """The verdict line and what regressed (empty: nothing moved for the worse)."""
+    """The verdict line and what regressed (empty: nothing moved for the worse; check
+    ``not_measured`` too: a configuration nothing was measured of passes nothing)."""
     worse = [line for c in configs for line in c.worse()]
-    runs = ", ".join(f"{c.label} {c.runs}" for c in configs)
+    runs = ", ".join(f"{c.label} {c.measured}/{c.runs}" for c in configs)
     if worse:
         return f"REGRESSION: {len(worse)} figure(s) moved beyond the noise for the worse", worse
+    blind = [c.label for c in configs if c.not_measured]
+    if blind:
+        return (
+            f"NOT MEASURED: no replay of {', '.join(blind)} kept its schedule (the client could "
+            "not keep up; see the runs' messages): nothing compared",
+            worse,
+        )
     better = [line for c in configs for line in c.better()]
-    line = f"no figure moved beyond the noise for the worse (runs now: {runs})"
+    line = f"no figure moved beyond the noise for the worse (runs measured now: {runs})"
     if better:
         line += f"; {len(better)} improved"
     return line, worse

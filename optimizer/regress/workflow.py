@@ -150,17 +150,26 @@ def compare_config(
         )
         for figure, direction in figures
     )
-    failures = tuple(
-        f"run {i + 1}: {r.status.value}"
+    lines = {
+        i: f"run {i + 1}: {r.status.value}"
         + (f" ({r.failure_class.value})" if r.failure_class else "")
         + (f": {r.message[:200]}" if r.message else "")
         for i, r in enumerate(now)
         if r.status is not TrialStatus.COMPLETE
-    )
+    }
+    invalid = {i for i, r in enumerate(now) if r.status is TrialStatus.INVALID_REPLAY}
     slos = compare_slos(
         view.feasible if view.measured else None, [feasible(r.summary) for r in measured]
     )
-    return ConfigComparison(label, view.number, rows, slos, runs=len(now), failures=failures)
+    return ConfigComparison(
+        label,
+        view.number,
+        rows,
+        slos,
+        runs=len(now),
+        failures=tuple(v for i, v in lines.items() if i not in invalid),
+        unscored=tuple(v for i, v in lines.items() if i in invalid),
+    )
 
 
 def _gains(saved: Mapping[str, Any], configs: Sequence[ConfigComparison]) -> list[dict[str, Any]]:
@@ -384,6 +393,7 @@ def regress_doc(
         "installed_changes": stack_changes(then, now),
         "verdict": line,
         "regressed": bool(worse),
+        "measured": not any(c.not_measured for c in comparisons),
         "worse": worse,
         "better": [b for c in comparisons for b in c.better()],
         "gain_vs_baseline": _gains(saved, comparisons),

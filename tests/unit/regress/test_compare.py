@@ -139,3 +139,18 @@ def test_a_configuration_that_no_longer_runs_is_a_regression() -> None:
     assert doc["figures"][0]["moved"] == "n/a" and doc["figures"][0]["now"] is None
     some = _config("chosen", [1.0], failures=("run 2: failed (oom)",))
     assert not some.no_longer_runs and verdict([some])[1] == []
+
+
+def test_a_configuration_never_measured_for_the_clients_fault_is_not_a_pass() -> None:
+    blind = _config("chosen", [])
+    blind = ConfigComparison(
+        "chosen",
+        3,
+        blind.figures,
+        blind.slos,
+        runs=2,
+        unscored=("run 1: invalid_replay", "run 2: invalid_replay"),
+    )
+    assert blind.not_measured and not blind.no_longer_runs and blind.measured == 0
+    line, worse = verdict([blind, _config("baseline", [1.0])])
+    assert worse == [] and line.startswith("NOT MEASURED: no replay of chosen kept its schedule")

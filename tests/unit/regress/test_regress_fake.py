@@ -17,7 +17,7 @@ from optimizer.errors import ConfigError
 from optimizer.regress import workflow
 from optimizer.regress.workflow import figures_of, recorded_summaries
 from optimizer.trial_view import TrialView
-from optimizer.types import TrialSpec
+from optimizer.types import TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle
 from tests.unit.test_study_loop import FakeRunner, _driver
 
@@ -194,3 +194,28 @@ def test_bad_input_is_a_clear_error(
 def test_not_a_study_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["regress", str(tmp_path)]) == 2
     assert "no plan.json here" in capsys.readouterr().err
+
+
+class LaggingClient(FakeRunner):
+    """Every replay of the chosen configuration misses its schedule (a busy client)."""
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        if "chosen" in spec.workdir:
+            self.specs.append(spec)
+            lag = TrialResult(number=spec.number, status=TrialStatus.INVALID_REPLAY, message="lag")
+            return FakeHandle(spec, lag)
+        return super().submit(spec, gpus)
+
+
+def test_a_check_that_measured_nothing_exits_3(
+    study_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runner = LaggingClient()
+    _use(monkeypatch, runner)
+    assert main(["regress", str(study_dir), "--runs", "1"]) == 3
+    assert "NOT MEASURED" in capsys.readouterr().out
+    doc = json.loads((study_dir / "regress.json").read_text())
+    assert doc["measured"] is False and doc["regressed"] is False
+    chosen = doc["configurations"]["chosen"]
+    assert chosen["unscored"] == ["run 1: invalid_replay: lag"] and chosen["failures"] == []
+    assert sum("chosen" in s.workdir for s in runner.specs) == 3  # retried twice
