@@ -104,13 +104,13 @@ def stack_table(doc: dict[str, Any]) -> Table:
 def _num(value: Any) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    return f"{value:,.4g}"
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:,.4g}"
 
 
 def _runs(values: list[float]) -> str:
     if len(values) < 2:
         return ""
-    return f" [{_num(min(values))}-{_num(max(values))}, {len(values)}]"
+    return f" ({len(values)} runs {_num(min(values))}..{_num(max(values))})"
 
 
 def figure_table(label: str, conf: dict[str, Any], runs: int) -> Table:
@@ -126,6 +126,8 @@ def figure_table(label: str, conf: dict[str, Any], runs: int) -> Table:
             change_text = "-" if change is None else f"{change:+.1f}%"
         noise = row["noise_pct"]
         noise_text = f"±{noise:.1f}%" if noise is not None else f"±{_num(row['noise'])}"
+        if row["moved"] == "n/a":
+            noise_text = "-"
         table.add_row(
             row["figure"],
             _num(row["recorded"]) + _runs(row["recorded_runs"]),
