@@ -1319,6 +1319,9 @@ def build_parser() -> argparse.ArgumentParser:
     from optimizer.stability.command import register as register_stability
 
     register_stability(sub)
+    from optimizer.regress.command import register as register_regress
+
+    register_regress(sub)
     return parser
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import socket
 import time
 import warnings
@@ -53,6 +52,7 @@ from optimizer.engine.defaults import (
     compile_cache_env,
     prompt_token_range,
 )
+from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
 from optimizer.errors import ConfigError
 from optimizer.study_folder import portable_url
 from optimizer.trial_io import progress_line, read_progress
@@ -201,33 +201,6 @@ def baseline_defaults(
     return {"max-num-seqs": 256, "max-num-batched-tokens": 2048}
 
 
-def _gpu_facts() -> tuple[int, float, str]:
-    """(count, memory GiB of the first, name) from nvidia-smi; zeros without a GPU."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return 0, 0.0, ""
-    try:
-        out = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=True,
-            )
-            .stdout.strip()
-            .splitlines()
-        )
-    except (OSError, subprocess.SubprocessError):
-        return 0, 0.0, ""
-    if not out:
-        return 0, 0.0, ""
-    name, mem = out[0].rsplit(",", 1)
-    return len(out), float(mem) / 1024.0, name.strip()
-
-
 def _shaped_trace(job: JobConfig) -> tuple[Trace, tuple[str, ...]]:
     """The job's trace, read and shaped, and what reading and shaping did.
 
@@ -290,7 +263,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     for args in job.enqueue:
         space.enqueue_params(args)  # raises, naming the value, before anything starts
     install = installed_vllm(job.engine.python) if check_flags else None
-    n_gpus, gpu_mem, gpu_name = _gpu_facts()
+    n_gpus, gpu_mem, gpu_name = gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
     defaults = apply_engine_defaults(
         model,
@@ -399,13 +372,6 @@ def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler
         constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
-
-
-def _hardware(cpu_build: bool) -> str:
-    n, mem, name = _gpu_facts()
-    if cpu_build or n == 0:
-        return f"CPU ({os.cpu_count()} cores)"
-    return f"{n}x {name} ({mem:.0f} GiB)"
 
 
 def is_baseline(trial: FrozenTrial) -> bool:
@@ -855,7 +821,11 @@ class StudyDriver:
             "objectives": [f"{o.direction}:{o.metric}" for o in self.plan.objectives.objectives],
             "slos": [str(s) for s in self.plan.objectives.slos],
             "driver": _driver_identity(),
-            "hardware": _hardware(self.plan.context.cpu_build),
+            "hardware": hardware_line(self.plan.context.cpu_build),
+            # What served the trials, for `regress` after an upgrade (optimizer.engine.stack).
+            "environment": installed_stack(
+                self.plan.job.engine.python, cpu_build=self.plan.context.cpu_build
+            ),
             "job": _portable_job(self.plan),
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }

