@@ -641,8 +641,9 @@ class _Syncer:
             tags={"storage": _redact(self.target.storage_url)},
         )
         assert self.experiment_id is not None
-        view = _review_view(plan.get("objectives", []))
-        self.client.set_experiment_tag(self.experiment_id, _VIEW_TAG, view)
+        if _VIEW_TAG not in self.client.get_experiment(self.experiment_id).tags:  # edits stay
+            view = _review_view(plan.get("objectives", []))
+            self.client.set_experiment_tag(self.experiment_id, _VIEW_TAG, view)
         if self.parent.tags.get(_INPUTS_TAG) == "uploaded":
             return
         inputs = [folder / n for n in ("job.yaml", "search_space.yaml", "trace.json")]

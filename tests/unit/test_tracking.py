@@ -387,6 +387,11 @@ def test_experiment_opens_on_the_runs_table_not_the_genai_pages(tmp_path: Path) 
         assert f"metrics.`{name}`" in columns
         assert f"metrics.`gain_pct.{name}`" in columns
     assert "tags.`class`" in columns
+    # A view a reviewer changed and saved under the same name is left as it is.
+    key = "mlflow.sharedViewState.vllm-autotune"
+    MlflowClient(uri).set_experiment_tag(exp.experiment_id, key, "edited")
+    tracking.sync_study(tmp_path / "out")
+    assert MlflowClient(uri).get_experiment(exp.experiment_id).tags[key] == "edited"
     # An experiment a user already marked otherwise keeps the user's choice.
     MlflowClient(uri).set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "x")
     tracking.sync_study(tmp_path / "out")
