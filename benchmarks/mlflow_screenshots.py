@@ -3,23 +3,24 @@
 Starts ``mlflow ui`` on the study folder's own store, opens the pages a reviewer reads and saves
 them under ``docs/``:
 
-- ``mlflow-runs.png``: the experiment's runs table (the view the tuner links to, not MLflow 3's
-  GenAI pages), parent run and its trials, bad trials named and marked;
+- ``mlflow-runs.png``: the experiment's runs table as the tuner's link opens it (not MLflow 3's
+  GenAI pages; the saved view "vllm-autotune review" picks the columns: objectives, gains,
+  class), the study's parent run expanded to show its trials, bad trials named and marked;
 - ``mlflow-parent-run.png``: the study's parent run (description = headline + report, gain
   metrics);
 - ``mlflow-child-run.png``: one trial's run (the best Pareto trial, else the baseline);
 - ``mlflow-pareto.png``: the Pareto projection PNG in MLflow's artifact viewer (the interactive
   ``pareto_front.html`` loads plotly.js from its CDN, which a machine without internet cannot).
 
-Known gaps: in MLflow 3.17 the runs table shows the parent run collapsed (the click on its
-expander does not take; the child runs are listed on the parent run's page); a study with one
-objective (a capacity study) has no Pareto projection, so no ``mlflow-pareto.png``.
+Paths of the machine the shots were taken on (storage URL, artifact location) are masked by grey
+boxes. Known gap: a study with one objective (a capacity study) has no Pareto projection, so no
+``mlflow-pareto.png``. PNGs are written with a 256-colour palette (Pillow) to keep them small.
 
 Needs ``pip install playwright`` and a Chromium: Playwright's own (``python -m playwright install
 chromium``, needs internet) or a system one (``apt-get install chromium``), found on PATH or given
 with ``--chromium``.
 
-    python benchmarks/mlflow_screenshots.py runs/cpu-demo --out docs
+    python benchmarks/mlflow_screenshots.py runs/cpu-demo --out docs [--only runs pareto]
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ def pages(study: Path, url: str) -> dict[str, tuple[str, str]]:
         "mlflow-parent-run.png": (f"{run_page}/{parent.info.run_id}?{query}", "Best gain"),
         "mlflow-child-run.png": (f"{run_page}/{pick.info.run_id}?{query}", pick.info.run_name),
     }
+    # The projection on the first two objectives (for a latency study: P95 TTFT vs P95 TPOT).
+    names = [
+        o.strip().rsplit(":", 1)[-1] for o in parent.data.params.get("objectives", "").split(",")
+    ]
+    first_two = f"pareto/pareto_{names[0]}__{names[1]}.png" if len(names) > 1 else ""
+    pngs.sort(key=lambda p: p != first_two)
     if pngs:
         out["mlflow-pareto.png"] = (
             f"{run_page}/{parent.info.run_id}/artifacts/{pngs[0]}?{query}",
@@ -137,13 +144,39 @@ def pages(study: Path, url: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def shoot(targets: dict[str, tuple[str, str]], out: Path, chromium: str | None) -> list[Path]:
-    """Open every page in headless Chromium and save a screenshot of it."""
+def expand_parent(page: Any, parent_name: str) -> str:
+    """Click the expander of the study's run (the button in its name cell) so that its trials
+    are listed under it; '' when they are, else a note for the output."""
+    cell = page.locator("[role=gridcell]", has=page.locator("a", has_text=parent_name)).first
+    try:
+        cell.locator("button[data-component-id*='runnamecellrenderer']").first.click(timeout=10_000)
+        page.get_by_text("baseline", exact=False).first.wait_for(timeout=30_000)
+    except Exception as exc:  # the page changed: say so rather than fail the other shots
+        return f"  (the trials were not expanded: {type(exc).__name__})"
+    return ""
+
+
+def shrink(path: Path) -> None:
+    """Rewrite a screenshot with a 256-colour palette: a third of the size, text still sharp."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        small = img.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+
+
+def shoot(
+    targets: dict[str, tuple[str, str]], out: Path, chromium: str | None, hide: str = ""
+) -> list[Path]:
+    """Open every page in headless Chromium and save a screenshot of it; text containing
+    ``hide`` (the study folder's path on this machine) is masked by a solid box."""
     from playwright.sync_api import sync_playwright
 
     written = []
     with sync_playwright() as p:
-        launch: dict[str, Any] = {"headless": True}
+        # Without the background-networking flags Chromium keeps trying hosts it cannot reach.
+        args = ["--disable-background-networking", "--disable-component-update", "--no-first-run"]
+        launch: dict[str, Any] = {"headless": True, "args": args}
         if chromium:
             launch["executable_path"] = chromium
         browser = p.chromium.launch(**launch)
@@ -155,18 +188,16 @@ def shoot(targets: dict[str, tuple[str, str]], out: Path, chromium: str | None) 
                 page.get_by_text(wait_for, exact=False).first.wait_for(timeout=90_000)
             with contextlib.suppress(Exception):  # MLflow 3.17's assistant panel: not ours
                 page.locator("button[aria-label*='lose' i]").last.click(timeout=3000)
+            note = ""
             if name == "mlflow-runs.png":
-                with contextlib.suppress(Exception):  # show the trials under the study's run
-                    # the expander left of the parent run's name (it has no accessible name)
-                    box = page.locator("a", has_text=wait_for).first.bounding_box()
-                    if box:
-                        page.mouse.click(box["x"] - 33, box["y"] + box["height"] / 2)
-                    page.get_by_text("baseline", exact=False).first.wait_for(timeout=30_000)
+                note = expand_parent(page, wait_for)
             page.wait_for_timeout(4000)  # charts and images render after the data
             path = out / name
-            page.screenshot(path=str(path), full_page=False)
+            mask = [page.get_by_text(hide, exact=False)] if hide else []
+            page.screenshot(path=str(path), full_page=False, mask=mask, mask_color="#888")
+            shrink(path)
             written.append(path)
-            print(f"{path}  <- {target}")
+            print(f"{path}  ({path.stat().st_size // 1024} KiB)  <- {target}{note}")
         browser.close()
     return written
 
@@ -181,11 +212,24 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a Chromium executable (default: chromium on PATH, else Playwright's own)",
     )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="take only these (runs, parent-run, child-run, pareto); default: all",
+    )
     ns = ap.parse_args(argv)
     chromium = ns.chromium or shutil.which("chromium") or shutil.which("chromium-browser")
     ns.out.mkdir(parents=True, exist_ok=True)
     with mlflow_ui(ns.study, ns.port or _free_port()) as url:
-        shoot(pages(ns.study, url), ns.out, chromium)
+        targets = pages(ns.study, url)
+        if ns.only:
+            targets = {k: v for k, v in targets.items() if k[len("mlflow-") : -4] in ns.only}
+        written = shoot(targets, ns.out, chromium, hide=str(ns.study.resolve().parent))
+    missing = sorted(set(ns.only or ()) - {p.name[len("mlflow-") : -4] for p in written})
+    if missing:
+        print(f"not taken: {', '.join(missing)} (this study has no such page)")
+        return 1
     return 0
 
 

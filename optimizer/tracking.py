@@ -100,7 +100,11 @@ _RUN_NAME_TAG = "mlflow.runName"
 # the sidebar read the switch instead, which the ``workflowType`` URL parameter sets).
 _EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 _EXPERIMENT_KIND = "custom_model_development"
-_RUNS_VIEW_QUERY = "workflowType=machine_learning"
+# The runs table's columns: MLflow (3.15+) has no default-columns setting, but it opens a view
+# saved as an experiment tag when the URL names it (its "Views" menu lists it too).
+_VIEW_KEY = "vllm-autotune"
+_VIEW_TAG = f"mlflow.sharedViewState.{_VIEW_KEY}"
+_RUNS_VIEW_QUERY = f"workflowType=machine_learning&viewStateShareKey={_VIEW_KEY}"
 
 REVIEW_DIR = "review"
 _MAX_PARAM = 6000
@@ -286,6 +290,16 @@ class SyncSummary:
 
 #: Trial outcomes that measured nothing because the study (not the engine) stopped them.
 _NOT_RUN_STATUSES = ("rejected", "duplicate", "cancelled", "infeasible")
+
+
+def _review_view(objectives: list[str]) -> str:
+    """The saved runs-table view: each objective and its gain (parent run), class, duration."""
+    names = [str(o).rsplit(":", 1)[-1] for o in objectives]
+    cols = [f"metrics.`{n}`" for n in names] + [f"metrics.`gain_pct.{n}`" for n in names]
+    state = {"selectedColumns": [*cols, "tags.`class`", "attributes.`Duration`"]}
+    now = int(time.time() * 1000)
+    view = {"name": "vllm-autotune review", "createdAt": now, "state": json.dumps(state)}
+    return json.dumps(view)
 
 
 def _run_status(t: FrozenTrial) -> str:
@@ -626,6 +640,10 @@ class _Syncer:
             params={k: _param_value(v) for k, v in params.items() if v},
             tags={"storage": _redact(self.target.storage_url)},
         )
+        assert self.experiment_id is not None
+        if _VIEW_TAG not in self.client.get_experiment(self.experiment_id).tags:  # edits stay
+            view = _review_view(plan.get("objectives", []))
+            self.client.set_experiment_tag(self.experiment_id, _VIEW_TAG, view)
         if self.parent.tags.get(_INPUTS_TAG) == "uploaded":
             return
         inputs = [folder / n for n in ("job.yaml", "search_space.yaml", "trace.json")]

@@ -374,8 +374,24 @@ def test_experiment_opens_on_the_runs_table_not_the_genai_pages(tmp_path: Path) 
     summary = tracking.sync_study(tmp_path / "out")
     assert summary.runs_url == (
         f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
-        "?workflowType=machine_learning"
+        "?workflowType=machine_learning&viewStateShareKey=vllm-autotune"
     )
+    # MLflow has no default columns: the URL opens a view saved on the experiment that shows
+    # the objectives, their gains over the baseline (parent run) and each trial's class.
+    view = json.loads(exp.tags["mlflow.sharedViewState.vllm-autotune"])
+    assert view["name"] == "vllm-autotune review"
+    columns = json.loads(view["state"])["selectedColumns"]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    for objective in plan["objectives"]:
+        name = objective.rsplit(":", 1)[-1]
+        assert f"metrics.`{name}`" in columns
+        assert f"metrics.`gain_pct.{name}`" in columns
+    assert "tags.`class`" in columns
+    # A view a reviewer changed and saved under the same name is left as it is.
+    key = "mlflow.sharedViewState.vllm-autotune"
+    MlflowClient(uri).set_experiment_tag(exp.experiment_id, key, "edited")
+    tracking.sync_study(tmp_path / "out")
+    assert MlflowClient(uri).get_experiment(exp.experiment_id).tags[key] == "edited"
     # An experiment a user already marked otherwise keeps the user's choice.
     MlflowClient(uri).set_experiment_tag(exp.experiment_id, "mlflow.experimentKind", "x")
     tracking.sync_study(tmp_path / "out")
