@@ -452,7 +452,37 @@ def _spikes_verdict(wins: Sequence[Window]) -> Verdict:
     if status == "pass" and (counts.get("burst") or counts.get("recovery")):
         status = "warn"
     text = ", ".join(f"{k} {counts[k]}/{totals[k]}" for k in counts)
-    return Verdict("spikes", status, f"windows over an SLO: {text}", {"per_phase": counts})
+    numbers: dict[str, Any] = {"per_phase": counts}
+    worst = _worst_excess([w for w in wins if w.phase not in ("burst", "recovery")])
+    if worst is not None:
+        numbers["worst"] = worst
+        text += (
+            f"; worst outside the burst: {worst['slo']} at {worst['value']:,.4g} "
+            f"({worst['excess']:+.0%}), {worst['phase']} window at {worst['start_s']:g} s"
+        )
+    return Verdict("spikes", status, f"windows over an SLO: {text}", numbers)
+
+
+def _worst_excess(wins: Sequence[Window]) -> dict[str, Any] | None:
+    """The window that missed an upper-bound SLO on a latency it holds by the widest margin:
+    SLO, value, excess over the bound (0.05: 5% over), phase and start (None: no such miss)."""
+    worst: dict[str, Any] | None = None
+    for w in wins:
+        for text in w.missed:
+            m = re.fullmatch(r"(\w+)\s*<=?\s*([0-9.eE+-]+)", text)
+            value = getattr(w, m.group(1), None) if m else None
+            if m is None or not isinstance(value, float) or float(m.group(2)) <= 0:
+                continue
+            excess = value / float(m.group(2)) - 1.0
+            if worst is None or excess > worst["excess"]:
+                worst = {
+                    "slo": text,
+                    "value": value,
+                    "excess": excess,
+                    "phase": w.phase,
+                    "start_s": w.start_s,
+                }
+    return worst
 
 
 def _recovery_verdict(

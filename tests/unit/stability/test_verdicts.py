@@ -125,6 +125,12 @@ def test_spikes_are_windows_over_an_slo_per_phase() -> None:
     assert over == [("sustained", 30), ("recovery", 70)]
     v = {x.name: x for x in evaluate(spiky, [False] * len(spiky), [], plan, SLOS)}
     assert v["spikes"].status == "fail" and v["spikes"].numbers["per_phase"]["sustained"] == 1
+    # The worst window outside the burst and recovery, with its excess over the bound.
+    worst = v["spikes"].numbers["worst"]
+    assert (worst["phase"], worst["start_s"]) == ("sustained", 30)
+    assert worst["slo"].startswith("p95_ttft_ms") and abs(worst["value"] - 900) < 1e-6
+    assert abs(worst["excess"] - 0.8) < 1e-6  # 900 ms against 500
+    assert "worst outside the burst" in v["spikes"].text
     only_burst = _steady(plan, ttft=lambda t: 900 if 60 <= t < 70 else 100)
     v = {x.name: x for x in evaluate(only_burst, [False] * len(only_burst), [], plan, SLOS)}
     assert v["spikes"].status == "warn"
