@@ -105,6 +105,17 @@ def _prepare(folder: Path, saved: Mapping[str, Any]) -> Any:
     return prepare(job_config, base)
 
 
+def _target(plan: Any, options: StabilityOptions) -> Target:
+    """What the load is sent with: the study's model, prompt ids, SLOs and send-lag bound."""
+    return Target(
+        model=plan.engine.model,
+        vocab=TokenRange(*plan.token_range),
+        seed=options.seed,
+        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
+        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
+    )
+
+
 def run_study_stability(
     folder: Path,
     saved: Mapping[str, Any],
@@ -150,13 +161,7 @@ def run_study_stability(
         f"(burst x{burst_scale:.3g}), long inputs of {stab.long_input_tokens} tokens"
         + (f"; the burst's backlog drains in about {drain:.0f} s at capacity" if drain else "")
     )
-    target = Target(
-        model=plan.engine.model,
-        vocab=TokenRange(*plan.token_range),
-        seed=options.seed,
-        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
-        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
-    )
+    target = _target(plan, options)
     runs_dir = folder / "stability" / time.strftime("%Y%m%d-%H%M%S")
     configs = [("chosen", choice.chosen.number, choice.chosen.engine_args)]
     if options.baseline and choice.baseline is not None:
@@ -181,6 +186,7 @@ def run_study_stability(
     doc = stability_doc(choice.chosen.number, stab, outcomes, folder=folder, runs_dir=runs_dir)
     doc["baseline_trial"] = choice.baseline.number if choice.baseline is not None else None
     doc["policy"] = choice.policy
+    doc["slos"] = [str(s) for s in target.slos]
     (folder / STABILITY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     return doc
 
