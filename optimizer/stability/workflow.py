@@ -41,6 +41,8 @@ __all__ = [
     "plan_scales",
     "read_stability",
     "run_study_stability",
+    "stability_options",
+    "tracking_values",
 ]
 
 STABILITY_FILE = "stability.json"
@@ -63,6 +65,37 @@ class StabilityOptions:
     auto_recovery: bool = True
     baseline: bool = True
     seed: int = 7_000
+
+
+def stability_options(
+    *,
+    trial: int | None = None,
+    minutes: float = 3.0,
+    fraction: float = 0.7,
+    burst_factor: float = 3.0,
+    burst_s: float = 20.0,
+    recovery_s: float | None = None,
+    long_s: float = 30.0,
+    window_s: float = 10.0,
+    baseline: bool = True,
+) -> StabilityOptions:
+    """The options of the ``stability`` command's flags and of a job's ``stability`` section
+    (one set of defaults): ``recovery_s`` None sizes the recovery phase to the burst's backlog
+    (at least 30 s)."""
+    return StabilityOptions(
+        trial=trial,
+        fraction=fraction,
+        burst_factor=burst_factor,
+        settings=PlanSettings(
+            sustained_s=minutes * 60,
+            burst_s=burst_s,
+            recovery_s=30.0 if recovery_s is None else recovery_s,
+            long_input_s=long_s,
+            window_s=window_s,
+        ),
+        auto_recovery=recovery_s is None,
+        baseline=baseline,
+    )
 
 
 def plan_scales(
@@ -253,3 +286,48 @@ def header_note(folder: Path, trial: int) -> tuple[str, ...]:
     if worse:
         line += "; WORSE THAN THE BASELINE on " + ", ".join(w.split(":", 1)[0] for w in worse)
     return (line,)
+
+
+_VERDICT_VALUE = {"pass": 1.0, "warn": 0.5, "fail": 0.0}
+
+
+def tracking_values(doc: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """What a stability check puts on the study's MLflow parent run, as (metrics, tags).
+
+    Metrics: ``stability.stable`` (1 or 0), ``stability.trial``,
+    ``stability.worse_than_baseline`` (how many verdicts), and per run (``chosen``,
+    ``baseline``) ``stability.<run>.<verdict>`` (1 pass, 0.5 warn, 0 fail; ``n/a`` left out),
+    the memory slopes ``stability.<run>.<rss|gpu>_mib_per_min`` with their hourly share of
+    the level, the recovery time and the client's P99 send lag. Tags: ``stability.status``,
+    ``stability.trial``, ``stability.checked_at``, and ``stability.worse_than_baseline``
+    (the verdicts, comma-separated) only when the chosen configuration did worse.
+    """
+    worse = [str(w).split(":", 1)[0] for w in doc.get("worse_than_baseline") or []]
+    metrics: dict[str, Any] = {
+        "stability.stable": float(doc.get("status") == "stable"),
+        "stability.worse_than_baseline": float(len(worse)),
+    }
+    if isinstance(doc.get("trial"), int):
+        metrics["stability.trial"] = float(doc["trial"])
+    for label, run in (doc.get("runs") or {}).items():
+        for v in run.get("verdicts") or []:
+            key, numbers = f"stability.{label}.{v.get('name')}", v.get("numbers") or {}
+            if v.get("status") in _VERDICT_VALUE:
+                metrics[key] = _VERDICT_VALUE[v["status"]]
+            if v.get("name") in ("memory_rss", "memory_gpu"):
+                kind = str(v["name"]).split("_")[1]
+                metrics[f"stability.{label}.{kind}_mib_per_min"] = numbers.get("per_min")
+                metrics[f"stability.{label}.{kind}_per_hour_share"] = numbers.get("per_hour_share")
+            if v.get("name") == "recovery":
+                metrics[f"stability.{label}.recovery_s"] = numbers.get("recovery_s")
+        metrics[f"stability.{label}.p99_send_lag_ms"] = run.get("p99_send_lag_ms")
+    tags = {
+        "stability.status": str(doc.get("status", "?")),
+        "stability.trial": str(doc.get("trial", "?")),
+        "stability.checked_at": str(doc.get("written_at", "?")),
+    }
+    if worse:
+        tags["stability.worse_than_baseline"] = ", ".join(worse)
+    finite = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+    return {k: v for k, v in finite.items() if math.isfinite(v)}, tags
+
