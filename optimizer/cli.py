@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from optimizer.errors import AutotuneError, ConfigError, EngineError
@@ -847,6 +848,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
         f"policy {choice.policy}: trial {choice.chosen.number} "
         f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
+    refused = _stability_gate(ns, folder, choice.chosen.number)
+    if refused:
+        return refused
     if ns.no_validate:
         gain = _gain_without_validation(study, choice)
     else:
@@ -899,6 +903,24 @@ def cmd_export(ns: argparse.Namespace) -> int:
             gain=gain,
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
+    return 0
+
+
+def _stability_gate(ns: argparse.Namespace, folder: Path, trial: int) -> int:
+    """``--require-stable``: 6 and one line saying why and what to run when the trial's
+    stability check does not let it ship; else 0 (and a hint when it has no check)."""
+    from optimizer.stability.workflow import require_stable, stability_hint
+
+    if ns.require_stable:
+        why = require_stable(folder, trial)
+        if why is not None:
+            err_console.print(f"[bold red]refusing to export:[/] {escape(why)}", soft_wrap=True)
+            return 6
+        console.print(f"stability check of trial {trial}: stable, no worse than the baseline")
+        return 0
+    hint = stability_hint(folder, trial)
+    if hint is not None:
+        console.print(f"[dim]hint: {escape(hint)}[/]", soft_wrap=True)
     return 0
 
 
@@ -1272,6 +1294,12 @@ def _add_study_commands(sub: Any) -> None:
     p.add_argument("--no-validate", action="store_true", help="skip the re-validation runs")
     p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
     p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
+    p.add_argument(
+        "--require-stable",
+        action="store_true",
+        help="refuse (exit 6) unless the trial has a stability check (`vllm-autotune stability`) "
+        "that says stable and no worse than the baseline",
+    )
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
     _add_deployment_flags(p)
     p.add_argument(

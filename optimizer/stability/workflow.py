@@ -40,7 +40,9 @@ __all__ = [
     "header_note",
     "plan_scales",
     "read_stability",
+    "require_stable",
     "run_study_stability",
+    "stability_hint",
     "stability_options",
     "tracking_values",
 ]
@@ -331,3 +333,48 @@ def tracking_values(doc: Mapping[str, Any]) -> tuple[dict[str, float], dict[str,
     finite = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
     return {k: v for k, v in finite.items() if math.isfinite(v)}, tags
 
+
+def require_stable(folder: Path, trial: int) -> str | None:
+    """Why ``export --require-stable`` refuses ``trial`` (None: its check lets it ship): no
+    check, a check of another trial, a status other than ``stable``, or a verdict worse than
+    the baseline's. One line, saying what to run."""
+    doc = read_stability(folder)
+    run = f"`vllm-autotune stability {folder} --trial {trial}`"
+    if doc is None:
+        return (
+            f"trial {trial} has no stability check ({folder / STABILITY_FILE} is missing); "
+            f"run {run}"
+        )
+    if doc.get("trial") != trial:
+        return (
+            f"the stability check in {folder / STABILITY_FILE} is of trial {doc.get('trial')}, "
+            f"not of trial {trial}; run {run}"
+        )
+    chosen = (doc.get("runs") or {}).get("chosen") or {}
+    if doc.get("status") != "stable":
+        failing = [v["name"] for v in chosen.get("verdicts") or [] if v.get("status") == "fail"]
+        why = f"failed: {', '.join(failing)}" if failing else chosen.get("failure") or "?"
+        return (
+            f"trial {trial}'s stability check says {doc.get('status')} ({why}); export another "
+            f"trial, or check this one again: {run}"
+        )
+    worse = [str(w).split(":", 1)[0] for w in doc.get("worse_than_baseline") or []]
+    if worse:
+        return (
+            f"trial {trial} did worse than the baseline in its stability check on "
+            f"{', '.join(worse)} (see {folder / STABILITY_FILE}); export another trial, or "
+            f"check this one again: {run}"
+        )
+    return None
+
+
+def stability_hint(folder: Path, trial: int) -> str | None:
+    """``export``'s hint when ``trial`` has no stability check (None when it has one)."""
+    doc = read_stability(folder)
+    if doc is not None and doc.get("trial") == trial:
+        return None
+    return (
+        f"trial {trial} has no stability check: `vllm-autotune stability {folder} --trial "
+        f"{trial}` runs it (sustained load, a burst, long inputs; against the baseline), and "
+        "`export --require-stable` refuses a trial without a passing one"
+    )
