@@ -666,7 +666,7 @@ class _Syncer:
                     )
                     for t in trials
                 ]
-                + [self._stability_key()],
+                + ([key] if (key := self._stability_key()) else []),
                 default=str,
             ).encode()
         ).hexdigest()[:16]
