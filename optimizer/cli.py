@@ -664,8 +664,31 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             cpu_build=plan.context.cpu_build,
         )
     )
+    _stability_stage(plan, ns)
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _stability_stage(plan: Any, ns: argparse.Namespace) -> None:
+    """The job's ``stability.after_study``: the stability check of the configuration export
+    would pick, run once the study's servers are down (its exit status is not tune's:
+    ``export --require-stable`` is the gate)."""
+    if not plan.job.stability.after_study:
+        return
+    from optimizer.stability.command import check_study
+
+    console.print("[bold]Stability check[/] (the job's stability.after_study)")
+    saved, study = _load_study_dir(Path(plan.out))
+    try:
+        check_study(
+            Path(plan.out),
+            saved,
+            study,
+            plan.job.stability.options(),
+            mlflow=not getattr(ns, "no_mlflow", False),
+        )
+    except ConfigError as exc:  # no trial to check, no capacity: the study itself stands
+        err_console.print(f"[yellow]stability check not run:[/] {escape(str(exc))}")
 
 
 def _slo_note(trial: Any) -> str:
@@ -1270,6 +1293,29 @@ def _add_study_commands(sub: Any) -> None:
     _add_capacity_pricing(p)
     p.set_defaults(func=cmd_tune)
 
+    _add_export_command(sub)
+
+    p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
+    p.add_argument("dir")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON document: every trial, the front, capacity"
+    )
+    _add_capacity_pricing(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "mlflow-sync", help="(re)build the MLflow view of a study folder from its Optuna storage"
+    )
+    p.add_argument("dir", help="study folder")
+    p.add_argument(
+        "--tracking-uri", default=None, help="log here (default: the study's, or DIR/mlflow.db)"
+    )
+    p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
+    p.set_defaults(func=cmd_mlflow_sync)
+
+
+def _add_export_command(sub: Any) -> None:
+    """export: pick, re-validate and render a configuration."""
     from optimizer.export import FORMATS, POLICIES
 
     p = sub.add_parser("export", help="pick, re-validate and export a configuration for deployment")
@@ -1310,24 +1356,6 @@ def _add_study_commands(sub: Any) -> None:
         "(e.g. from `helm pull --untar`); refuses to write on a mismatch",
     )
     p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
-    p.add_argument("dir")
-    p.add_argument(
-        "--json", action="store_true", help="one JSON document: every trial, the front, capacity"
-    )
-    _add_capacity_pricing(p)
-    p.set_defaults(func=cmd_show)
-
-    p = sub.add_parser(
-        "mlflow-sync", help="(re)build the MLflow view of a study folder from its Optuna storage"
-    )
-    p.add_argument("dir", help="study folder")
-    p.add_argument(
-        "--tracking-uri", default=None, help="log here (default: the study's, or DIR/mlflow.db)"
-    )
-    p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
-    p.set_defaults(func=cmd_mlflow_sync)
 
 
 def build_parser() -> argparse.ArgumentParser:
