@@ -12,7 +12,9 @@ and updating them, so running it twice creates nothing new.
 The parent run holds the job, the search space, the trace's statistics and shaping notes, a
 hypervolume-over-trials metric, the Pareto front (JSON, CSV, plots), parameter importances and
 a Markdown report (baseline vs front, gain per objective, what the winners changed, a diagnosis
-per trial class); :mod:`optimizer.analysis` makes every one of them, this module only logs.
+per trial class), and the study folder's stability check when there is one (its metrics, tags,
+``stability.json`` and plots: :func:`log_stability`); :mod:`optimizer.analysis` and
+:mod:`optimizer.stability` make every one of them, this module only logs.
 Each child run holds the engine configuration (params), the whole summary,
 startup/replay times, the memory account and server metrics (metrics), the trial's state,
 failure class, baseline / Pareto / SLO tags, and its records, engine log and latency CDF.
