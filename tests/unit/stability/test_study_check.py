@@ -6,13 +6,14 @@ run (metrics, tags, artifacts, report and description), ``stability --replot``, 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from optimizer import cli, study
@@ -21,7 +22,7 @@ from optimizer.stability import workflow
 from optimizer.stability.plots import LATENCY_PNG, SERVER_PNG
 from optimizer.tracking import local_tracking_uri
 from tests.fakes.stability import FakeServer, fake_run_on_new_server
-from tests.unit.test_tracking import _job, _run, _runs
+from tests.unit.test_tracking import FakeRunner, _job, _runs
 
 # A short plan: 1 minute sustained, 5 s windows.
 STABILITY = {
@@ -61,6 +62,10 @@ def _refusal(err: str) -> str:
     return line
 
 
+def _study(folder: Path) -> optuna.Study:
+    return optuna.load_study(study_name="fake-mlflow", storage=f"sqlite:///{folder / 'study.db'}")
+
+
 def _parent(folder: Path) -> Any:
     parent, _ = _runs(local_tracking_uri(folder))
     return parent
@@ -69,24 +74,16 @@ def _parent(folder: Path) -> Any:
 def test_the_after_study_stage_checks_plots_and_logs_and_export_requires_it(
     tmp_path: Path,
     fake_servers: dict[str, dict[str, FakeServer]],
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    tuned, tracker, _ = _run(tmp_path, stability=STABILITY)
-    assert tracker.finish(tuned)
-    folder = tmp_path / "out"
-    job, base = load_job(_job(tmp_path, stability=STABILITY), base=tmp_path)
-    assert job.stability.after_study and job.stability.options().settings.sustained_s == 60
-    capsys.readouterr()
-
-    # With no check yet, export says how to run one; --require-stable refuses in one line.
-    assert _export(folder) == 0
-    assert "hint: trial" in capsys.readouterr().out
-    assert _export(folder, "--require-stable") == 6
-    line = _refusal(capsys.readouterr().err)
-    assert "has no stability check" in line and "vllm-autotune stability" in line
-
-    cli._stability_stage(study.prepare(job, base), argparse.Namespace(no_mlflow=False))
+    job = _job(tmp_path, stability=STABILITY)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert load_job(job, base=tmp_path)[0].stability.options().settings.sustained_s == 60
+    monkeypatch.setattr(cli, "_make_runner", lambda *_a: FakeRunner())  # trials are FAKES too
+    assert cli.main(["tune", str(tmp_path / "job.yaml"), "--runner", "local"]) == 0
     out = capsys.readouterr().out
+    folder = tmp_path / "out"
     doc = json.loads((folder / "stability.json").read_text())
     trial = doc["trial"]
     assert doc["status"] == "unstable" and doc["slos"] == ["p95_ttft_ms<=1000"]
@@ -94,6 +91,7 @@ def test_the_after_study_stage_checks_plots_and_logs_and_export_requires_it(
     runs_dir = folder / doc["runs_dir"]
     assert (runs_dir / LATENCY_PNG).is_file() and (runs_dir / SERVER_PNG).is_file()
     assert "logged to the study's MLflow parent run: run " in out
+    assert out.index("Stability check") < out.index("study folder: ")  # tune's last stage
 
     parent = _parent(folder)
     m, tags = parent.data.metrics, parent.data.tags
@@ -127,9 +125,19 @@ def test_the_after_study_stage_checks_plots_and_logs_and_export_requires_it(
         capsys.readouterr().err
     )
     (folder / "stability.json").write_text(stored)
-    other = next(t.number for t in tuned.get_trials() if t.number != trial)
+    other = next(t.number for t in _study(folder).get_trials() if t.number != trial)
     assert _export(folder, "--require-stable", "--trial", str(other)) == 6
     assert f"is of trial {trial}, not of trial {other}" in _refusal(capsys.readouterr().err)
+
+    # Without a check, export says how to run one; --require-stable refuses in one line.
+    stored = (folder / "stability.json").read_text()
+    (folder / "stability.json").unlink()
+    assert _export(folder) == 0
+    assert f"hint: trial {trial} has no stability check" in capsys.readouterr().out
+    assert _export(folder, "--require-stable") == 6
+    line = _refusal(capsys.readouterr().err)
+    assert "has no stability check" in line and "vllm-autotune stability" in line
+    (folder / "stability.json").write_text(stored)
 
     # A new check, both level: stable, the worse-than-baseline tag gone, export lets it ship.
     fake_servers["now"] = LEVEL
