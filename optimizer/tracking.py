@@ -27,6 +27,7 @@ Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the flue
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -250,6 +251,44 @@ def _bound_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
+def _adopt_copied_store(target: TrackingTarget) -> None:
+    """A study folder's own SQLite store, copied with the folder, still names the artifact
+    folder where it was written (MLflow keeps absolute locations per experiment and run): point
+    the study's experiment and its runs at the copy's artifact folder, so logging from the copy
+    never writes into the original folder. Only for ``sqlite:///<folder>/mlflow.db`` with the
+    folder's own artifact root; anything else is left as it is."""
+    import sqlite3
+    from urllib.parse import unquote, urlparse
+
+    db = Path(target.tracking_uri.removeprefix("sqlite:///"))
+    own = target.tracking_uri.startswith("sqlite:///") and (
+        db.resolve() == (target.out / "mlflow.db").resolve()
+    )
+    if not (own and db.is_file() and target.artifact_root is not None):
+        return
+    new = target.artifact_root.resolve().as_uri()
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        row = con.execute(
+            "SELECT experiment_id, artifact_location FROM experiments WHERE name = ?",
+            (target.experiment,),
+        ).fetchone()
+        if row is None or not str(row[1] or "").startswith(("file:", "/")):
+            return
+        old = str(row[1]).rstrip("/")
+        path = Path(unquote(urlparse(old).path)) if old.startswith("file:") else Path(old)
+        if old == new or path.resolve().is_relative_to(target.out.resolve()):
+            return
+        con.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, row[0])
+        )
+        con.execute(
+            "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+            "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+            (new, len(old) + 1, row[0], len(old), old),
+        )
+    _log.info("MLflow: the copied store's artifacts now live in %s (were %s)", new, old)
+
+
 # --- the MLflow side -----------------------------------------------------------------------------
 
 
@@ -367,6 +406,7 @@ class _Syncer:
     def connect(self) -> None:
         if self.parent is not None:
             return
+        _adopt_copied_store(self.target)
         exp = self.client.get_experiment_by_name(self.target.experiment)
         if exp is None:
             root = self.target.artifact_root
