@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from optimizer.errors import AutotuneError, ConfigError, EngineError
@@ -663,8 +664,31 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             cpu_build=plan.context.cpu_build,
         )
     )
+    _stability_stage(plan, ns)
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _stability_stage(plan: Any, ns: argparse.Namespace) -> None:
+    """The job's ``stability.after_study``: the stability check of the configuration export
+    would pick, run once the study's servers are down (its exit status is not tune's:
+    ``export --require-stable`` is the gate)."""
+    if not plan.job.stability.after_study:
+        return
+    from optimizer.stability.command import check_study
+
+    console.print("[bold]Stability check[/] (the job's stability.after_study)")
+    saved, study = _load_study_dir(Path(plan.out))
+    try:
+        check_study(
+            Path(plan.out),
+            saved,
+            study,
+            plan.job.stability.options(),
+            mlflow=not getattr(ns, "no_mlflow", False),
+        )
+    except ConfigError as exc:  # no trial to check, no capacity: the study itself stands
+        err_console.print(f"[yellow]stability check not run:[/] {escape(str(exc))}")
 
 
 def _slo_note(trial: Any) -> str:
@@ -847,6 +871,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
         f"policy {choice.policy}: trial {choice.chosen.number} "
         f"changes {choice.changes() or 'nothing'} vs the baseline"
     )
+    refused = _stability_gate(ns, folder, choice.chosen.number)
+    if refused:
+        return refused
     if ns.no_validate:
         gain = _gain_without_validation(study, choice)
     else:
@@ -899,6 +926,24 @@ def cmd_export(ns: argparse.Namespace) -> int:
             gain=gain,
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
+    return 0
+
+
+def _stability_gate(ns: argparse.Namespace, folder: Path, trial: int) -> int:
+    """``--require-stable``: 6 and one line saying why and what to run when the trial's
+    stability check does not let it ship; else 0 (and a hint when it has no check)."""
+    from optimizer.stability.workflow import require_stable, stability_hint
+
+    if ns.require_stable:
+        why = require_stable(folder, trial)
+        if why is not None:
+            err_console.print(f"[bold red]refusing to export:[/] {escape(why)}", soft_wrap=True)
+            return 6
+        console.print(f"stability check of trial {trial}: stable, no worse than the baseline")
+        return 0
+    hint = stability_hint(folder, trial)
+    if hint is not None:
+        console.print(f"[dim]hint: {escape(hint)}[/]", soft_wrap=True)
     return 0
 
 
@@ -1248,6 +1293,29 @@ def _add_study_commands(sub: Any) -> None:
     _add_capacity_pricing(p)
     p.set_defaults(func=cmd_tune)
 
+    _add_export_command(sub)
+
+    p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
+    p.add_argument("dir")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON document: every trial, the front, capacity"
+    )
+    _add_capacity_pricing(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "mlflow-sync", help="(re)build the MLflow view of a study folder from its Optuna storage"
+    )
+    p.add_argument("dir", help="study folder")
+    p.add_argument(
+        "--tracking-uri", default=None, help="log here (default: the study's, or DIR/mlflow.db)"
+    )
+    p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
+    p.set_defaults(func=cmd_mlflow_sync)
+
+
+def _add_export_command(sub: Any) -> None:
+    """export: pick, re-validate and render a configuration."""
     from optimizer.export import FORMATS, POLICIES
 
     p = sub.add_parser("export", help="pick, re-validate and export a configuration for deployment")
@@ -1272,6 +1340,12 @@ def _add_study_commands(sub: Any) -> None:
     p.add_argument("--no-validate", action="store_true", help="skip the re-validation runs")
     p.add_argument("--runs", type=int, default=3, help="re-validation runs of each (default 3)")
     p.add_argument("--force", action="store_true", help="export even when the gain is within noise")
+    p.add_argument(
+        "--require-stable",
+        action="store_true",
+        help="refuse (exit 6) unless the trial has a stability check (`vllm-autotune stability`) "
+        "that says stable and no worse than the baseline",
+    )
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
     _add_deployment_flags(p)
     p.add_argument(
@@ -1282,24 +1356,6 @@ def _add_study_commands(sub: Any) -> None:
         "(e.g. from `helm pull --untar`); refuses to write on a mismatch",
     )
     p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("show", help="trials and the Pareto front of a study folder")
-    p.add_argument("dir")
-    p.add_argument(
-        "--json", action="store_true", help="one JSON document: every trial, the front, capacity"
-    )
-    _add_capacity_pricing(p)
-    p.set_defaults(func=cmd_show)
-
-    p = sub.add_parser(
-        "mlflow-sync", help="(re)build the MLflow view of a study folder from its Optuna storage"
-    )
-    p.add_argument("dir", help="study folder")
-    p.add_argument(
-        "--tracking-uri", default=None, help="log here (default: the study's, or DIR/mlflow.db)"
-    )
-    p.add_argument("--experiment", default=None, help="experiment name (default: the study's)")
-    p.set_defaults(func=cmd_mlflow_sync)
 
 
 def build_parser() -> argparse.ArgumentParser:

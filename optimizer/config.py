@@ -25,6 +25,7 @@ __all__ = [
     "ModelSection",
     "ObjectivesSection",
     "SamplerSection",
+    "StabilitySection",
     "TraceSection",
     "load_job",
     "parse_budget",
@@ -187,6 +188,42 @@ class CapacitySection(_Strict):
         )
 
 
+class StabilitySection(_Strict):
+    """The stability check as a stage of the study: ``vllm-autotune stability``'s options, with
+    its defaults.
+
+    Attributes:
+        after_study: ``tune`` runs the check when the study ends: the configuration export's
+            default policy picks and the baseline, each on a server of its own, under the
+            same plan; the verdicts go to ``stability.json`` and MLflow like the command's.
+        minutes: Sustained phase, minutes.
+        fraction: Capacity studies: the load as a fraction of the measured capacity.
+        burst_factor: Burst rate, times capacity (a fixed-load study: times the trace's rate).
+        burst_s: Burst seconds.
+        recovery_s: Seconds after the burst (None: 1.5 times the time its backlog takes to
+            drain at capacity, at least 30).
+        long_s: Seconds of the long-input phase.
+        window_s: Latency window, seconds.
+        baseline: Run the baseline too (the comparison needs it).
+    """
+
+    after_study: bool = False
+    minutes: float = Field(default=3.0, gt=0)
+    fraction: float = Field(default=0.7, gt=0)
+    burst_factor: float = Field(default=3.0, gt=0)
+    burst_s: float = Field(default=20.0, ge=0)
+    recovery_s: float | None = Field(default=None, ge=0)
+    long_s: float = Field(default=30.0, ge=0)
+    window_s: float = Field(default=10.0, gt=0)
+    baseline: bool = True
+
+    def options(self) -> Any:
+        """The check's options (:class:`optimizer.stability.workflow.StabilityOptions`)."""
+        from optimizer.stability.workflow import stability_options
+
+        return stability_options(**self.model_dump(exclude={"after_study"}))
+
+
 class SamplerSection(_Strict):
     """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison."""
 
@@ -228,6 +265,7 @@ class JobConfig(_Strict):
         enqueue: Configurations (engine arguments of the search space) to try right after the
             baseline, e.g. the one in production today.
         mlflow: MLflow settings.
+        stability: The stability check as a stage (``after_study``) and its plan.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -249,6 +287,7 @@ class JobConfig(_Strict):
     retries: int = Field(default=2, ge=0)
     enqueue: list[dict[str, Any]] = Field(default_factory=list)
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
+    stability: StabilitySection = Field(default_factory=StabilitySection)
 
     @field_validator("budget")
     @classmethod

@@ -12,7 +12,9 @@ and updating them, so running it twice creates nothing new.
 The parent run holds the job, the search space, the trace's statistics and shaping notes, a
 hypervolume-over-trials metric, the Pareto front (JSON, CSV, plots), parameter importances and
 a Markdown report (baseline vs front, gain per objective, what the winners changed, a diagnosis
-per trial class); :mod:`optimizer.analysis` makes every one of them, this module only logs.
+per trial class), and the study folder's stability check when there is one (its metrics, tags,
+``stability.json`` and plots: :func:`log_stability`); :mod:`optimizer.analysis` and
+:mod:`optimizer.stability` make every one of them, this module only logs.
 Each child run holds the engine configuration (params), the whole summary,
 startup/replay times, the memory account and server metrics (metrics), the trial's state,
 failure class, baseline / Pareto / SLO tags, and its records, engine log and latency CDF.
@@ -25,6 +27,7 @@ Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the flue
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -77,6 +80,7 @@ __all__ = [
     "TrackingTarget",
     "local_tracking_uri",
     "log_export",
+    "log_stability",
     "review_url",
     "runs_url",
     "sync_study",
@@ -92,6 +96,7 @@ ROLE_TAG = "vllm_autotune.role"
 _ARTIFACTS_TAG = "vllm_autotune.artifacts"
 _DIGEST_TAG = "vllm_autotune.digest"
 _INPUTS_TAG = "vllm_autotune.inputs"
+_STABILITY_TAG = "vllm_autotune.stability"
 _PARENT_TAG = "mlflow.parentRunId"
 _NOTE_TAG = "mlflow.note.content"
 _RUN_NAME_TAG = "mlflow.runName"
@@ -250,6 +255,44 @@ def _bound_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
+def _adopt_copied_store(target: TrackingTarget) -> None:
+    """A study folder's own SQLite store, copied with the folder, still names the artifact
+    folder where it was written (MLflow keeps absolute locations per experiment and run): point
+    the study's experiment and its runs at the copy's artifact folder, so logging from the copy
+    never writes into the original folder. Only for ``sqlite:///<folder>/mlflow.db`` with the
+    folder's own artifact root; anything else is left as it is."""
+    import sqlite3
+    from urllib.parse import unquote, urlparse
+
+    db = Path(target.tracking_uri.removeprefix("sqlite:///"))
+    own = target.tracking_uri.startswith("sqlite:///") and (
+        db.resolve() == (target.out / "mlflow.db").resolve()
+    )
+    if not (own and db.is_file() and target.artifact_root is not None):
+        return
+    new = target.artifact_root.resolve().as_uri()
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        row = con.execute(
+            "SELECT experiment_id, artifact_location FROM experiments WHERE name = ?",
+            (target.experiment,),
+        ).fetchone()
+        if row is None or not str(row[1] or "").startswith(("file:", "/")):
+            return
+        old = str(row[1]).rstrip("/")
+        path = Path(unquote(urlparse(old).path)) if old.startswith("file:") else Path(old)
+        if old == new or path.resolve().is_relative_to(target.out.resolve()):
+            return
+        con.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, row[0])
+        )
+        con.execute(
+            "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+            "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+            (new, len(old) + 1, row[0], len(old), old),
+        )
+    _log.info("MLflow: the copied store's artifacts now live in %s (were %s)", new, old)
+
+
 # --- the MLflow side -----------------------------------------------------------------------------
 
 
@@ -377,6 +420,7 @@ class _Syncer:
     def connect(self) -> None:
         if self.parent is not None:
             return
+        _adopt_copied_store(self.target)
         exp = self.client.get_experiment_by_name(self.target.experiment)
         if exp is None:
             root = self.target.artifact_root
@@ -681,7 +725,8 @@ class _Syncer:
                         sorted(t.constraints.items()),
                     )
                     for t in trials
-                ],
+                ]
+                + ([key] if (key := self._stability_key()) else []),
                 default=str,
             ).encode()
         ).hexdigest()[:16]
@@ -778,7 +823,8 @@ class _Syncer:
         plan = _read_json(self.target.out / "plan.json")
         trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
         hv = hypervolume_history(study.get_trials(deepcopy=False), list(study.directions))
-        report = report_md(study, doc, front, hv, ranked, plan, trace)
+        stability = _read_json(self.target.out / "stability.json") or None
+        report = report_md(study, doc, front, hv, ranked, plan, trace, stability=stability)
         gains = best_gains(doc)
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -799,7 +845,48 @@ class _Syncer:
                         plan[key] = _redact(plan[key])
                 (root / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
             self.client.log_artifacts(self.parent.run_id, str(root))
-        self._log(self.parent, tags={_NOTE_TAG: _note(headline_md(doc, gains) + "\n" + report)})
+        headline = headline_md(doc, gains, stability=stability)
+        self._log(self.parent, tags={_NOTE_TAG: _note(headline + "\n" + report)})
+
+    def _stability_key(self) -> str:
+        """Which stability check the study folder holds ("" for none)."""
+        doc = _read_json(self.target.out / "stability.json")
+        if not doc:
+            return ""
+        return f"trial {doc.get('trial')} {doc.get('runs_dir')} {doc.get('written_at')}"
+
+    def sync_stability(self, *, force: bool = False) -> bool:
+        """The study folder's stability check on the parent run: its metrics and tags
+        (:func:`~optimizer.stability.workflow.tracking_values`; the worse-than-baseline tag
+        removed when the check is not worse), ``stability.json`` and the check's plots as
+        artifacts under ``stability/`` (once per check, or when forced), and the checked
+        trial's child run tagged ``stability`` = status. False when there is no check."""
+        from optimizer.stability.plots import runs_folder
+        from optimizer.stability.workflow import STABILITY_FILE, read_stability, tracking_values
+
+        doc = read_stability(self.target.out)
+        if doc is None or not doc.get("runs"):
+            return False
+        self.connect()
+        assert self.parent is not None
+        metrics, tags = tracking_values(doc)
+        self._log(self.parent, metrics=metrics, tags=tags)
+        worse_tag = "stability.worse_than_baseline"
+        if worse_tag not in tags and worse_tag in self.parent.tags:
+            self.client.delete_tag(self.parent.run_id, worse_tag)
+            del self.parent.tags[worse_tag]
+        key = self._stability_key()
+        if force or self.parent.tags.get(_STABILITY_TAG) != key:
+            files = [self.target.out / STABILITY_FILE]
+            files += sorted(runs_folder(self.target.out, doc).glob("*.png"))
+            for path in files:
+                self.client.log_artifact(self.parent.run_id, str(path), "stability")
+            self._log(self.parent, tags={_STABILITY_TAG: key})
+        trial = doc.get("trial")
+        child = self.children.get(trial) if isinstance(trial, int) else None
+        if child is not None:
+            self._log(child, tags={"stability": str(doc.get("status"))})
+        return True
 
     def sync_all(self) -> SyncSummary:
         """Every finished trial, then the front and the parent's review files."""
@@ -816,6 +903,7 @@ class _Syncer:
             if not self.sync_trial(t, front):
                 existed += 1
         front = self.sync_front()
+        self.sync_stability()
         return SyncSummary(
             experiment_id=self.experiment_id,
             parent_run_id=self.parent.run_id,
@@ -1128,3 +1216,38 @@ def log_export(
         )
         return False
     return True
+
+
+def log_stability(study_dir: str | Path) -> str | None:
+    """Log the study folder's stability check to its MLflow parent run (found, like
+    :func:`log_export`'s, through the folder's ``review/mlflow.json``): metrics, tags, the
+    report and description with their "Stability check" section, ``stability.json`` and the
+    plots as artifacts. Never raises for MLflow trouble: the check itself already succeeded.
+
+    Returns:
+        Where it went (``run ID of experiment NAME``, and the runs table's address), or None
+        when MLflow did not take it or there is no check.
+    """
+    try:
+        target = _target_for_dir(study_dir, None, None)
+        syncer = _Syncer(target)
+        syncer.connect()
+        doc = _read_json(target.out / "stability.json")
+        if doc.get("trial") not in syncer.children:
+            syncer.sync_all()
+        else:
+            syncer.sync_front()  # the report and description, with the check in them
+        if not syncer.sync_stability(force=True):
+            return None
+        assert syncer.parent is not None and syncer.experiment_id is not None
+    except Exception as exc:
+        _log.warning(
+            "could not log the stability check to MLflow (%s); `vllm-autotune stability DIR "
+            "--replot` or `vllm-autotune mlflow-sync DIR` logs it later",
+            exc,
+        )
+        return None
+    return (
+        f"run {syncer.parent.run_id} of experiment {target.experiment!r}, "
+        f"{review_url(target, syncer.experiment_id)}"
+    )

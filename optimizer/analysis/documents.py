@@ -1,5 +1,5 @@
-"""report.md: a study in Markdown (baseline vs the front, what winners changed, capacity,
-importances, a diagnosis per trial class, the trace)."""
+"""report.md: a study in Markdown (baseline vs the front, what winners changed, capacity, the
+stability check, importances, a diagnosis per trial class, the trace)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from optimizer.analysis.front import trial_class
 from optimizer.analysis.trial_cost import study_cost
 from optimizer.trial_view import TrialView, baseline_of, metric_names
 
-__all__ = ["capacity_section", "headline_md", "report_md"]
+__all__ = ["capacity_section", "headline_md", "report_md", "stability_section"]
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -48,13 +48,20 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def headline_md(doc: list[dict[str, Any]], best: dict[str, tuple[float, int]]) -> str:
+def headline_md(
+    doc: list[dict[str, Any]],
+    best: dict[str, tuple[float, int]],
+    *,
+    stability: dict[str, Any] | None = None,
+) -> str:
     """The few lines a reviewer reads first (the parent run's description): the best gain over
-    the baseline per objective, as measured during the study.
+    the baseline per objective, as measured during the study, and the stability check's
+    result when there is one.
 
     Args:
         doc: :func:`~optimizer.analysis.front.front_doc`.
         best: :func:`~optimizer.analysis.front.best_gains`.
+        stability: The study folder's ``stability.json`` (None: no check).
     """
     base = next((r for r in doc if r["baseline"]), None)
     front = [r["trial"] for r in doc if not r["baseline"]]
@@ -73,6 +80,8 @@ def headline_md(doc: list[dict[str, Any]], best: dict[str, tuple[float, int]]) -
         )
     for name, (gain, trial) in best.items():
         lines.append(f"- {name}: {gain:+.1f}% (trial {trial})")
+    if stability:
+        lines += ["", _stability_headline(stability)]
     lines += [
         "",
         f"Pareto front (feasible): {front or 'empty'}; the full report follows and is "
@@ -80,6 +89,76 @@ def headline_md(doc: list[dict[str, Any]], best: dict[str, tuple[float, int]]) -
         "",
     ]
     return "\n".join(lines)
+
+
+def _stability_headline(doc: dict[str, Any]) -> str:
+    worse = [str(w).split(":", 1)[0] for w in doc.get("worse_than_baseline") or []]
+    line = f"**Stability check** of trial {doc.get('trial')}: {doc.get('status', '?')}"
+    if worse:
+        line += f", **worse than the baseline** on {', '.join(worse)}"
+    return line + ' (section "Stability check" below; plots in the `stability` artifacts).'
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _plan_line(plan: dict[str, Any], slos: list[str]) -> str:
+    """The plan in one line: each phase's length and rate scale, the long inputs, the SLOs."""
+    parts = []
+    for p in plan.get("phases") or []:
+        seconds = float(p.get("end_s", 0)) - float(p.get("start_s", 0))
+        parts.append(f"{p.get('name')} {seconds:g} s at rate x{float(p.get('scale', 0)):.3g}")
+    settings = plan.get("settings") or {}
+    line = "; ".join(parts) or "no phases"
+    if plan.get("long_input_tokens"):
+        line += (
+            f"; long inputs of {plan['long_input_tokens']} prompt tokens "
+            f"(max-model-len {plan.get('max_model_len')}), {settings.get('long_group')} every "
+            f"{settings.get('long_every_s')} s"
+        )
+    line += f"; latency windows of {settings.get('window_s')} s"
+    return line + f"; SLOs: {', '.join(slos) or 'none'}"
+
+
+def stability_section(doc: dict[str, Any] | None) -> list[str]:
+    """report.md's "Stability check" section from ``stability.json`` ([] without one): the
+    status, what the chosen configuration did worse than the baseline, the plan, and every
+    verdict of each run side by side."""
+    if not doc or not doc.get("runs"):
+        return []
+    runs: dict[str, Any] = doc["runs"]
+    trials = {"chosen": doc.get("trial"), "baseline": doc.get("baseline_trial")}
+    heads = [f"{k} (trial {trials[k]})" if trials.get(k) is not None else k for k in runs]
+    lines = ["", "## Stability check", ""]
+    lines.append(
+        f"- trial {doc.get('trial')} (policy {doc.get('policy', '-')}), checked "
+        f"{doc.get('written_at', '?')}: **{doc.get('status', '?')}**"
+    )
+    worse = doc.get("worse_than_baseline") or []
+    if "baseline" not in runs:
+        lines.append("- no baseline run: nothing to compare with")
+    elif not worse:
+        lines.append("- no verdict worse than the baseline's")
+    lines += [f"- **worse than the baseline**: {_cell(w)}" for w in worse]
+    lines.append(f"- plan: {_plan_line(doc.get('plan') or {}, list(doc.get('slos') or []))}")
+    lines.append(f"- runs, samples, records and plots: `{doc.get('runs_dir', '-')}/`")
+    lines += ["", "| verdict | " + " | ".join(heads) + " |", "|---|" + "---|" * len(runs)]
+    names: list[str] = []
+    for run in runs.values():
+        names += [v["name"] for v in run.get("verdicts") or [] if v["name"] not in names]
+    for name in names:
+        cells = []
+        for run in runs.values():
+            v = next((v for v in run.get("verdicts") or [] if v["name"] == name), None)
+            status = "" if v is None else v["status"]
+            status = f"**{status}**" if status == "fail" else status
+            cells.append("-" if v is None else f"{status}: {_cell(v['text'])}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    failures = [_cell(run.get("failure") or "served") for run in runs.values()]
+    if any(run.get("failure") for run in runs.values()):
+        lines.append("| server | " + " | ".join(failures) + " |")
+    return lines
 
 
 def report_md(
@@ -90,9 +169,12 @@ def report_md(
     importances: dict[str, Any],
     plan: dict[str, Any],
     trace: dict[str, Any],
+    *,
+    stability: dict[str, Any] | None = None,
 ) -> str:
-    """report.md: the study's facts, baseline vs the front, capacity, what the winners changed,
-    parameter importances, a diagnosis per trial class, and the trace.
+    """report.md: the study's facts, baseline vs the front, capacity, the stability check,
+    what the winners changed, parameter importances, a diagnosis per trial class, and the
+    trace.
 
     Args:
         study: The study.
@@ -102,6 +184,7 @@ def report_md(
         importances: :func:`~optimizer.analysis.front.importances`.
         plan: The study folder's plan.json ({} when missing).
         trace: review/trace.json: the trace's statistics and shaping notes ({} when missing).
+        stability: The study folder's ``stability.json`` (None: no check).
     """
     trials = study.get_trials(deepcopy=False)
     over = [t for t in trials if t.state not in (TrialState.RUNNING, TrialState.WAITING)]
@@ -112,6 +195,9 @@ def report_md(
     lines += _facts(study, plan, over, front, hv)
     lines += _front_table(study, doc)
     lines += capacity_section(study, plan)
+    if stability and not stability.get("slos"):  # a check written before it kept its SLOs
+        stability = {**stability, "slos": plan.get("slos") or []}
+    lines += stability_section(stability)
     lines += study_cost(over).markdown()
     lines += _winners(doc, base_args)
     lines += _importance_lines(importances)

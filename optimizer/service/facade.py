@@ -263,6 +263,13 @@ class JobService:
             notes.append("ray_address: ignored; studies run on the service's cluster")
         doc["ray_address"] = None
         notes += self._operator_urls(doc)
+        stability = doc.get("stability")
+        if isinstance(stability, dict) and stability.get("after_study"):
+            stability["after_study"] = False
+            notes.append(
+                "stability.after_study: ignored; the service runs no stability stage (run "
+                "`vllm-autotune stability` on the study folder)"
+            )
         engine = doc.get("engine")
         if isinstance(engine, dict):
             if engine.get("python"):

@@ -8,5 +8,6 @@
   preemptions per phase, drift, spikes, recovery time, long inputs) and the comparison with the
   baseline (pure);
 - :mod:`.run`: the plan on one server; :mod:`.workflow`: the check of a study folder
-  (``stability.json``); :mod:`.command`: ``vllm-autotune stability``.
+  (``stability.json``) and what ``export`` and MLflow read of it; :mod:`.plots`: the check's
+  time series as PNGs, from its stored files; :mod:`.command`: ``vllm-autotune stability``.
 """

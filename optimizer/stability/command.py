@@ -9,7 +9,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["register", "verdict_table"]
+__all__ = ["check_study", "register", "report_check", "verdict_table"]
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
 
@@ -50,40 +50,87 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--window-s", type=float, default=10.0, help="latency window (default 10)")
     p.add_argument("--no-baseline", action="store_true", help="do not run the baseline")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="run nothing: make the plots of the stored check again (and log it to MLflow)",
+    )
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the check to MLflow")
     p.set_defaults(func=cmd_stability)
 
 
 def cmd_stability(ns: argparse.Namespace) -> int:
     """Exit 0 when the chosen configuration is stable and no worse than the baseline, 4 when
     it is not."""
-    from optimizer.cli import _load_study_dir, console
-    from optimizer.stability.plan import PlanSettings
-    from optimizer.stability.workflow import StabilityOptions, run_study_stability
+    from optimizer.cli import _load_study_dir
+    from optimizer.errors import ConfigError
+    from optimizer.stability.workflow import read_stability, stability_options
 
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
-    options = StabilityOptions(
+    mlflow = not ns.no_mlflow
+    if ns.replot:
+        doc = read_stability(folder)
+        if doc is None:
+            raise ConfigError(
+                f"{folder}: no stability.json to plot; run `vllm-autotune stability {folder}`"
+            )
+        return report_check(folder, saved, doc, mlflow=mlflow)
+    options = stability_options(
         trial=ns.trial,
+        minutes=ns.minutes,
         fraction=ns.fraction,
         burst_factor=ns.burst_factor,
-        settings=PlanSettings(
-            sustained_s=ns.minutes * 60,
-            burst_s=ns.burst_s,
-            recovery_s=30.0 if ns.recovery_s is None else ns.recovery_s,
-            long_input_s=ns.long_s,
-            window_s=ns.window_s,
-        ),
-        auto_recovery=ns.recovery_s is None,
+        burst_s=ns.burst_s,
+        recovery_s=ns.recovery_s,
+        long_s=ns.long_s,
+        window_s=ns.window_s,
         baseline=not ns.no_baseline,
     )
+    return check_study(folder, saved, study, options, mlflow=mlflow)
+
+
+def check_study(
+    folder: Path, saved: dict[str, Any], study: Any, options: Any, *, mlflow: bool = True
+) -> int:
+    """Run the check (the ``stability`` command, and ``tune``'s stage when the job asks for
+    it), then :func:`report_check`."""
+    from optimizer.cli import console
+    from optimizer.stability.workflow import run_study_stability
+
     doc = run_study_stability(
         folder, saved, study, options, progress=lambda line: console.print(f"[dim]{line}[/]")
     )
+    return report_check(folder, saved, doc, mlflow=mlflow)
+
+
+def report_check(
+    folder: Path, saved: dict[str, Any], doc: dict[str, Any], *, mlflow: bool = True
+) -> int:
+    """The check's plots (into its run folder), its verdict table, and the check logged to the
+    study's MLflow parent run when the job has MLflow on; 0 when stable and no worse than the
+    baseline, else 4."""
+    from optimizer.cli import console, err_console
+    from optimizer.stability.plots import plot_stability
+
+    try:
+        plots = plot_stability(folder, doc)
+    except Exception as exc:  # a plot never hides the verdicts
+        plots = []
+        err_console.print(f"[yellow]stability plots failed:[/] {type(exc).__name__}: {exc}")
     console.print(verdict_table(doc))
-    for line in doc["worse_than_baseline"]:
+    for line in doc.get("worse_than_baseline") or []:
         console.print(f"[bold red]worse than the baseline:[/] {escape(line)}")
-    console.print(f"status: {doc['status']}; wrote {folder / 'stability.json'}")
-    return 0 if doc["status"] == "stable" and not doc["worse_than_baseline"] else 4
+    console.print(f"status: {doc.get('status')}; the check: {folder / 'stability.json'}")
+    if plots:
+        console.print("plots: " + ", ".join(str(p) for p in plots))
+    if mlflow and (saved.get("job") or {}).get("mlflow", {}).get("enabled", True):
+        from optimizer.tracking import log_stability
+
+        where = log_stability(folder)
+        if where is not None:
+            console.print(f"[dim]logged to the study's MLflow parent run: {where}[/]")
+    return 0 if doc.get("status") == "stable" and not doc.get("worse_than_baseline") else 4
 
 
 def _peaks(phases: dict[str, Any]) -> str:

@@ -40,7 +40,11 @@ __all__ = [
     "header_note",
     "plan_scales",
     "read_stability",
+    "require_stable",
     "run_study_stability",
+    "stability_hint",
+    "stability_options",
+    "tracking_values",
 ]
 
 STABILITY_FILE = "stability.json"
@@ -63,6 +67,37 @@ class StabilityOptions:
     auto_recovery: bool = True
     baseline: bool = True
     seed: int = 7_000
+
+
+def stability_options(
+    *,
+    trial: int | None = None,
+    minutes: float = 3.0,
+    fraction: float = 0.7,
+    burst_factor: float = 3.0,
+    burst_s: float = 20.0,
+    recovery_s: float | None = None,
+    long_s: float = 30.0,
+    window_s: float = 10.0,
+    baseline: bool = True,
+) -> StabilityOptions:
+    """The options of the ``stability`` command's flags and of a job's ``stability`` section
+    (one set of defaults): ``recovery_s`` None sizes the recovery phase to the burst's backlog
+    (at least 30 s)."""
+    return StabilityOptions(
+        trial=trial,
+        fraction=fraction,
+        burst_factor=burst_factor,
+        settings=PlanSettings(
+            sustained_s=minutes * 60,
+            burst_s=burst_s,
+            recovery_s=30.0 if recovery_s is None else recovery_s,
+            long_input_s=long_s,
+            window_s=window_s,
+        ),
+        auto_recovery=recovery_s is None,
+        baseline=baseline,
+    )
 
 
 def plan_scales(
@@ -103,6 +138,17 @@ def _prepare(folder: Path, saved: Mapping[str, Any]) -> Any:
     job["out"] = "."  # folders of older versions recorded the folder where they were written
     job_config, base = load_job(job, base=folder)
     return prepare(job_config, base)
+
+
+def _target(plan: Any, options: StabilityOptions) -> Target:
+    """What the load is sent with: the study's model, prompt ids, SLOs and send-lag bound."""
+    return Target(
+        model=plan.engine.model,
+        vocab=TokenRange(*plan.token_range),
+        seed=options.seed,
+        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
+        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
+    )
 
 
 def run_study_stability(
@@ -150,13 +196,7 @@ def run_study_stability(
         f"(burst x{burst_scale:.3g}), long inputs of {stab.long_input_tokens} tokens"
         + (f"; the burst's backlog drains in about {drain:.0f} s at capacity" if drain else "")
     )
-    target = Target(
-        model=plan.engine.model,
-        vocab=TokenRange(*plan.token_range),
-        seed=options.seed,
-        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
-        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
-    )
+    target = _target(plan, options)
     runs_dir = folder / "stability" / time.strftime("%Y%m%d-%H%M%S")
     configs = [("chosen", choice.chosen.number, choice.chosen.engine_args)]
     if options.baseline and choice.baseline is not None:
@@ -181,6 +221,7 @@ def run_study_stability(
     doc = stability_doc(choice.chosen.number, stab, outcomes, folder=folder, runs_dir=runs_dir)
     doc["baseline_trial"] = choice.baseline.number if choice.baseline is not None else None
     doc["policy"] = choice.policy
+    doc["slos"] = [str(s) for s in target.slos]
     (folder / STABILITY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     return doc
 
@@ -247,3 +288,93 @@ def header_note(folder: Path, trial: int) -> tuple[str, ...]:
     if worse:
         line += "; WORSE THAN THE BASELINE on " + ", ".join(w.split(":", 1)[0] for w in worse)
     return (line,)
+
+
+_VERDICT_VALUE = {"pass": 1.0, "warn": 0.5, "fail": 0.0}
+
+
+def tracking_values(doc: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """What a stability check puts on the study's MLflow parent run, as (metrics, tags).
+
+    Metrics: ``stability.stable`` (1 or 0), ``stability.trial``,
+    ``stability.worse_than_baseline`` (how many verdicts), and per run (``chosen``,
+    ``baseline``) ``stability.<run>.<verdict>`` (1 pass, 0.5 warn, 0 fail; ``n/a`` left out),
+    the memory slopes ``stability.<run>.<rss|gpu>_mib_per_min`` with their hourly share of
+    the level, the recovery time and the client's P99 send lag. Tags: ``stability.status``,
+    ``stability.trial``, ``stability.checked_at``, and ``stability.worse_than_baseline``
+    (the verdicts, comma-separated) only when the chosen configuration did worse.
+    """
+    worse = [str(w).split(":", 1)[0] for w in doc.get("worse_than_baseline") or []]
+    metrics: dict[str, Any] = {
+        "stability.stable": float(doc.get("status") == "stable"),
+        "stability.worse_than_baseline": float(len(worse)),
+    }
+    if isinstance(doc.get("trial"), int):
+        metrics["stability.trial"] = float(doc["trial"])
+    for label, run in (doc.get("runs") or {}).items():
+        for v in run.get("verdicts") or []:
+            key, numbers = f"stability.{label}.{v.get('name')}", v.get("numbers") or {}
+            if v.get("status") in _VERDICT_VALUE:
+                metrics[key] = _VERDICT_VALUE[v["status"]]
+            if v.get("name") in ("memory_rss", "memory_gpu"):
+                kind = str(v["name"]).split("_")[1]
+                metrics[f"stability.{label}.{kind}_mib_per_min"] = numbers.get("per_min")
+                metrics[f"stability.{label}.{kind}_per_hour_share"] = numbers.get("per_hour_share")
+            if v.get("name") == "recovery":
+                metrics[f"stability.{label}.recovery_s"] = numbers.get("recovery_s")
+        metrics[f"stability.{label}.p99_send_lag_ms"] = run.get("p99_send_lag_ms")
+    tags = {
+        "stability.status": str(doc.get("status", "?")),
+        "stability.trial": str(doc.get("trial", "?")),
+        "stability.checked_at": str(doc.get("written_at", "?")),
+    }
+    if worse:
+        tags["stability.worse_than_baseline"] = ", ".join(worse)
+    finite = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+    return {k: v for k, v in finite.items() if math.isfinite(v)}, tags
+
+
+def require_stable(folder: Path, trial: int) -> str | None:
+    """Why ``export --require-stable`` refuses ``trial`` (None: its check lets it ship): no
+    check, a check of another trial, a status other than ``stable``, or a verdict worse than
+    the baseline's. One line, saying what to run."""
+    doc = read_stability(folder)
+    run = f"`vllm-autotune stability {folder} --trial {trial}`"
+    if doc is None:
+        return (
+            f"trial {trial} has no stability check ({folder / STABILITY_FILE} is missing); "
+            f"run {run}"
+        )
+    if doc.get("trial") != trial:
+        return (
+            f"the stability check in {folder / STABILITY_FILE} is of trial {doc.get('trial')}, "
+            f"not of trial {trial}; run {run}"
+        )
+    chosen = (doc.get("runs") or {}).get("chosen") or {}
+    if doc.get("status") != "stable":
+        failing = [v["name"] for v in chosen.get("verdicts") or [] if v.get("status") == "fail"]
+        why = f"failed: {', '.join(failing)}" if failing else chosen.get("failure") or "?"
+        return (
+            f"trial {trial}'s stability check says {doc.get('status')} ({why}); export another "
+            f"trial, or check this one again: {run}"
+        )
+    worse = [str(w).split(":", 1)[0] for w in doc.get("worse_than_baseline") or []]
+    if worse:
+        return (
+            f"trial {trial} did worse than the baseline in its stability check on "
+            f"{', '.join(worse)} (see {folder / STABILITY_FILE}); export another trial, or "
+            f"check this one again: {run}"
+        )
+    return None
+
+
+def stability_hint(folder: Path, trial: int) -> str | None:
+    """``export``'s hint when ``trial`` has no stability check (None when it has one)."""
+    doc = read_stability(folder)
+    if doc is not None and doc.get("trial") == trial:
+        return None
+    return (
+        f"trial {trial} has no stability check: `vllm-autotune stability {folder} --trial "
+        f"{trial}` runs it (sustained load, a burst, long inputs; against the baseline), and "
+        "`export --require-stable` refuses a trial without a passing one"
+    )

@@ -14,8 +14,10 @@ from objectives import parse_slo
 from optimizer.engine.models import model_info
 from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.stability.plan import PlanSettings, build_load, build_plan
-from optimizer.stability.run import Target, measure, run_on_new_server
+from optimizer.stability.plots import LATENCY_PNG, SERVER_PNG, plot_stability, read_series
+from optimizer.stability.run import Target, measure, run_on_new_server, write_outcome
 from optimizer.stability.verdicts import compare
+from optimizer.stability.workflow import stability_doc
 from optimizer.types import EngineConfig, Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from tests.integration.conftest import TINY_ARGS
@@ -104,3 +106,14 @@ def test_stability_plan_passes_a_healthy_server_and_catches_a_too_small_kv_cache
         assert (tmp_path / "fault" / name).exists(), name
     assert json.loads((tmp_path / "fault" / "outcome.json").read_text())["status"] == "unstable"
     assert shared_server.pgid is not None and group_alive_pids(shared_server.pgid)
+
+    # The plots of both runs, from their stored files: real samples (KV usage, RSS) and records.
+    write_outcome(healthy, tmp_path / "healthy")
+    doc = stability_doc(0, plan, [fault, healthy], folder=tmp_path, runs_dir=tmp_path)
+    doc["slos"] = [str(s) for s in SLOS]
+    series = read_series(tmp_path, doc)
+    assert [s.label for s in series] == ["fault", "healthy"]
+    assert all(s.records and any(x.kv_usage is not None for x in s.samples) for s in series)
+    files = plot_stability(tmp_path, doc)
+    assert [f.name for f in files] == [LATENCY_PNG, SERVER_PNG]
+    assert all(f.read_bytes()[:4] == b"\x89PNG" and f.stat().st_size > 20_000 for f in files)

@@ -180,6 +180,16 @@ def test_storage_and_mlflow_urls_are_the_operators(
     assert any("ignored" in n for n in r.json()["notes"])
 
 
+def test_the_stability_stage_is_not_run_by_the_service_and_it_says_so(
+    client: TestClient, service: JobService
+) -> None:
+    r = _post(client, job_doc("stab", stability={"after_study": True, "minutes": 5}))
+    assert r.status_code == 201, r.text
+    assert any(n.startswith("stability.after_study: ignored") for n in r.json()["notes"])
+    stability = service.get(r.json()["id"]).job["stability"]
+    assert stability["after_study"] is False and stability["minutes"] == 5
+
+
 # --- 3. parsing with limits; malformed input is a 4xx that quotes nothing -----------------------
 
 

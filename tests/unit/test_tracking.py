@@ -355,6 +355,42 @@ def test_a_copied_study_folder_logs_to_its_own_mlflow_store(tmp_path: Path) -> N
     assert target.artifact_root == (copy / "mlartifacts").resolve()
 
 
+def test_logging_from_a_copied_study_folder_never_writes_into_the_original(
+    tmp_path: Path,
+) -> None:
+    """The copied mlflow.db still names the original's artifact folder (MLflow keeps absolute
+    locations): the copy's experiment and runs are pointed at the copy's own artifacts. The
+    copy is exported in a process of its own, as a user would (MLflow caches a run's artifact
+    folder by run id within a process, and the copy's runs have the original's ids)."""
+    import shutil
+    import subprocess
+    import sys
+
+    study, tracker, _ = _run(tmp_path, trials=2)
+    assert tracker.finish(study)
+    original = tmp_path / "out"
+    before = sorted((original / "mlartifacts").rglob("*"))
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(original, copy)
+    argv = ["export", str(copy), "--format", "vllm-config", "--no-validate", "--trial", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimizer.cli", *argv, "--out", str(copy / "x.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "logged to the study's MLflow parent run" in proc.stdout
+    assert sorted((original / "mlartifacts").rglob("*")) == before
+    client = MlflowClient(tracking.local_tracking_uri(copy))
+    parent, children = _runs(tracking.local_tracking_uri(copy))
+    for run in [parent, *children]:
+        uri = client.get_run(run.info.run_id).info.artifact_uri
+        assert uri.startswith((copy / "mlartifacts").resolve().as_uri()), uri
+    assert list((copy / "mlartifacts").rglob("exports/x.yaml"))
+
+
 # --- issue 17: what a reviewer sees first -------------------------------------------------------
 
 REJECTED = {"max-num-seqs": 128, "max-num-batched-tokens": 64, "kv-cache-memory-bytes": 268435456}
