@@ -33,6 +33,7 @@ __all__ = [
     "build_plan",
     "drain_time_s",
     "long_input_tokens",
+    "with_trace",
 ]
 
 PHASES = ("sustained", "burst", "recovery", "long_input")
@@ -104,6 +105,9 @@ class StabilityPlan:
         max_model_len: The context length the long inputs come near.
         long_input_tokens: Prompt tokens of a long input.
         settings: The settings it was built from.
+        trace_period_s: One loop of the trace at rate scale 1 (:func:`with_trace`; None: not
+            known). The drift verdict compares whole loops, so a bursty trace's quiet start is
+            never compared with its busy middle.
     """
 
     phases: tuple[Phase, ...]
@@ -112,6 +116,13 @@ class StabilityPlan:
     max_model_len: int
     long_input_tokens: int
     settings: PlanSettings
+    trace_period_s: float | None = None
+
+    def loop_s(self) -> float | None:
+        """Seconds one loop of the trace lasts in the sustained phase (None: not known)."""
+        if not self.trace_period_s or self.base_scale <= 0:
+            return None
+        return self.trace_period_s / self.base_scale
 
     @property
     def duration_s(self) -> float:
@@ -136,6 +147,7 @@ class StabilityPlan:
             "max_model_len": self.max_model_len,
             "long_input_tokens": self.long_input_tokens,
             "settings": asdict(self.settings),
+            "trace_period_s": self.trace_period_s,
         }
 
 
@@ -244,6 +256,11 @@ class _Looper:
                     r, arrival_s=t, prefix_blocks=tuple(b + shift for b in r.prefix_blocks)
                 )
             t0 += self.period / scale
+
+
+def with_trace(plan: StabilityPlan, trace: Trace) -> StabilityPlan:
+    """The plan knowing how long one loop of ``trace`` lasts (what :func:`build_load` loops)."""
+    return replace(plan, trace_period_s=_Looper(trace).period)
 
 
 def build_load(trace: Trace, plan: StabilityPlan) -> PlanLoad:

@@ -6,7 +6,8 @@
   slope would add more than ``growth_per_hour`` of the mean level in an hour, else *level*;
 - **errors** and **preemptions** per phase (failed requests; the preemption counter's increase);
   a failure in the sustained, recovery or long-input phase fails, in the burst it warns;
-- **drift**: P95 TTFT and TPOT of the sustained phase's first and last drift windows; a rise
+- **drift**: P95 TTFT and TPOT of the sustained phase's first and last drift windows (its first
+  and last whole loop of the trace when the plan knows the loop); a rise
   by more than ``drift_tolerance`` fails when the last window uses more than half of an SLO
   on that metric (far inside the SLO, or without an SLO on it, it warns);
 - **spikes**: windows of ``window_s`` whose requests miss an SLO, per phase; one in the
@@ -221,16 +222,28 @@ def windows(
 def drift_windows(
     records: Sequence[RequestRecord], plan: StabilityPlan, slos: Sequence[Slo]
 ) -> tuple[Window, Window] | None:
-    """The sustained phase's first and last drift windows (a sixth of the phase, at least
-    ``window_s``); None when the phase is shorter than two of them."""
+    """The sustained phase's first and last drift windows; None when the phase is too short.
+
+    When the plan knows the trace's loop (``plan.loop_s()``): the first and the last whole loop
+    of the trace in the phase, so like is compared with like (a bursty trace's quiet start is not
+    its busy middle); None when fewer than two whole loops fit. Otherwise a sixth of the phase at
+    each end, at least ``window_s``."""
     phase = plan.phase("sustained")
     if phase is None:
         return None
-    width = max(plan.settings.window_s, phase.duration_s / 6)
-    if phase.duration_s < 2 * width:
-        return None
-    a = (phase.start_s, phase.start_s + width)
-    b = (phase.end_s - width, phase.end_s)
+    loop = plan.loop_s()
+    if loop is not None:
+        loops = math.floor(phase.duration_s / loop + 1e-9)
+        if loops < 2:
+            return None
+        a = (phase.start_s, phase.start_s + loop)
+        b = (phase.start_s + (loops - 1) * loop, phase.start_s + loops * loop)
+    else:
+        width = max(plan.settings.window_s, phase.duration_s / 6)
+        if phase.duration_s < 2 * width:
+            return None
+        a = (phase.start_s, phase.start_s + width)
+        b = (phase.end_s - width, phase.end_s)
     return (
         _window("sustained", *a, _in(records, *a), slos),
         _window("sustained", *b, _in(records, *b), slos),
@@ -417,7 +430,9 @@ def _drift_verdict(
 ) -> Verdict:
     pair = drift_windows(records, plan, slos)
     if pair is None:
-        return Verdict("drift", "n/a", "sustained phase too short for two drift windows")
+        loop = plan.loop_s()
+        why = f"two whole loops of the trace ({loop:,.0f} s each)" if loop else "two windows"
+        return Verdict("drift", "n/a", f"sustained phase too short for {why}")
     first, last = pair
     status = "pass"
     parts: list[str] = []

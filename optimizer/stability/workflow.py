@@ -29,6 +29,7 @@ from optimizer.stability.plan import (
     build_load,
     build_plan,
     drain_time_s,
+    with_trace,
 )
 from optimizer.stability.run import RunOutcome, Target, run_on_new_server
 from optimizer.stability.verdicts import compare
@@ -190,6 +191,7 @@ def run_study_stability(
         burst_scale=burst_scale,
         max_model_len=_max_model_len(plan.job, choice.chosen.engine_args, model_max),
     )
+    stab = with_trace(stab, plan.trace)
     load = build_load(plan.trace, stab)
     say(
         f"plan: {len(load.trace)} requests over {stab.duration_s:g} s, rate x{base_scale:.3g} "

@@ -12,6 +12,7 @@ from optimizer.stability.plan import (
     build_plan,
     drain_time_s,
     long_input_tokens,
+    with_trace,
 )
 from optimizer.stability.workflow import plan_scales
 from optimizer.types import Trace, TraceRequest
@@ -123,3 +124,19 @@ def test_the_bursts_backlog_drains_at_the_spare_capacity() -> None:
     assert drain_time_s(20, 3.0, 0.7, 1.0) == pytest.approx(133.33, rel=1e-3)
     assert drain_time_s(20, 0.9, 0.7, 1.0) is None  # the burst stays within capacity
     assert drain_time_s(20, 3.0, 1.0, 1.0) is None  # nothing spare
+
+
+def test_the_plan_knows_the_trace_loop_it_is_run_with() -> None:
+    plan = build_plan(
+        PlanSettings(sustained_s=60, burst_s=0, recovery_s=0, long_input_s=0),
+        base_scale=0.5,
+        burst_scale=1.0,
+        max_model_len=2048,
+    )
+    assert plan.loop_s() is None and plan.doc()["trace_period_s"] is None
+    looped = with_trace(plan, _trace())
+    # 3 s of arrivals plus one mean gap (1 s): a 4 s loop, 8 s at half the rate.
+    assert looped.trace_period_s == 4.0 and looped.loop_s() == 8.0
+    assert looped.doc()["trace_period_s"] == 4.0
+    arrivals = [r.arrival_s for r in build_load(_trace(), looped).trace.requests]
+    assert arrivals[4] == 8.0  # the second loop starts one loop_s after the first

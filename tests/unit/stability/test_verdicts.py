@@ -3,6 +3,7 @@ preemptions and errors per phase, long inputs, and the comparison with the basel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ from optimizer.stability.verdicts import (
     Verdict,
     compare,
     counter_increase,
+    drift_windows,
     evaluate,
     overall,
     recovery_s,
@@ -207,3 +209,27 @@ def test_compare_flags_what_the_chosen_did_worse() -> None:
     flags = compare(chosen, base)
     assert len(flags) == 1 and flags[0].startswith("memory_rss: chosen fail")
     assert compare(base, base) == []
+
+
+def test_drift_compares_whole_loops_of_a_bursty_trace() -> None:
+    """A trace quiet for its first half and busy for its second, looped: the last sixth of the
+    sustained phase falls in a busy part, the first in a quiet one. The sixths report a drift
+    that is the trace's shape; whole loops compare like with like and see none."""
+    base = _plan()  # sustained 0..60 s
+    looped = dataclasses.replace(base, trace_period_s=20.0 * base.base_scale)  # 20 s loops
+
+    def shaped(t: float) -> float:
+        return 400.0 if (t % 20.0) >= 10.0 else 100.0  # busy second half of every loop
+
+    recs = _steady(base, ttft=shaped)
+    sixths = {x.name: x for x in evaluate(recs, [False] * len(recs), [], base, SLOS)}
+    assert sixths["drift"].status == "fail"  # 100 ms first sixth vs 400 ms last sixth
+    loops = {x.name: x for x in evaluate(recs, [False] * len(recs), [], looped, SLOS)}
+    assert loops["drift"].status == "pass", loops["drift"].text
+    first, last = drift_windows(recs, looped, SLOS) or (None, None)
+    assert first is not None and last is not None
+    assert (first.start_s, first.end_s, last.start_s, last.end_s) == (0, 20, 40, 60)
+    # Fewer than two whole loops in the phase: not judged, and the text says why.
+    long_loops = dataclasses.replace(base, trace_period_s=40.0 * base.base_scale)
+    v = {x.name: x for x in evaluate(recs, [False] * len(recs), [], long_loops, SLOS)}
+    assert v["drift"].status == "n/a" and "two whole loops" in v["drift"].text
