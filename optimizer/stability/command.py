@@ -55,6 +55,12 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run nothing: make the plots of the stored check again (and log it to MLflow)",
     )
+    p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="run nothing: judge the stored check again with the verdict rules installed now "
+        "(its plan, records and samples), then plot and log it as --replot does",
+    )
     p.add_argument("--no-mlflow", action="store_true", help="do not log the check to MLflow")
     p.set_defaults(func=cmd_stability)
 
@@ -69,12 +75,16 @@ def cmd_stability(ns: argparse.Namespace) -> int:
     folder = Path(ns.dir)
     saved, study = _load_study_dir(folder)
     mlflow = not ns.no_mlflow
-    if ns.replot:
+    if ns.replot or ns.rejudge:
         doc = read_stability(folder)
         if doc is None:
             raise ConfigError(
                 f"{folder}: no stability.json to plot; run `vllm-autotune stability {folder}`"
             )
+        if ns.rejudge:
+            from optimizer.stability.rejudge import rejudge
+
+            doc = rejudge(folder, saved, doc)
         return report_check(folder, saved, doc, mlflow=mlflow)
     options = stability_options(
         trial=ns.trial,

@@ -33,6 +33,7 @@ __all__ = [
     "SERVER_PNG",
     "RunSeries",
     "plot_stability",
+    "read_samples",
     "read_series",
     "rolling_latency",
     "runs_folder",
@@ -70,7 +71,7 @@ def runs_folder(folder: Path, doc: Mapping[str, Any]) -> Path:
     return runs if runs.is_absolute() else Path(folder) / runs
 
 
-def _read_samples(path: Path) -> list[Sample]:
+def read_samples(path: Path) -> list[Sample]:
     if not path.is_file():
         return []
     out = []
@@ -99,7 +100,7 @@ def read_series(folder: Path, doc: Mapping[str, Any]) -> list[RunSeries]:
             RunSeries(
                 label=label,
                 title=title,
-                samples=_read_samples(where / "samples.jsonl"),
+                samples=read_samples(where / "samples.jsonl"),
                 records=read_records(records_file) if records_file.is_file() else None,
                 windows=list(run.get("windows") or []),
             )

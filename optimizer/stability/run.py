@@ -38,7 +38,7 @@ from optimizer.types import EngineConfig, RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayOptions, run_replay
 
-__all__ = ["RunOutcome", "Target", "measure", "run_on_new_server"]
+__all__ = ["RunOutcome", "Target", "finite", "measure", "run_on_new_server"]
 
 _WARMUP_REQUESTS = 8
 
@@ -96,7 +96,7 @@ class RunOutcome:
 
     def doc(self) -> dict[str, Any]:
         """JSON-safe (records and samples are written beside it, not in it)."""
-        doc: dict[str, Any] = _finite(
+        doc: dict[str, Any] = finite(
             {
                 "label": self.label,
                 "status": self.status,
@@ -114,14 +114,14 @@ class RunOutcome:
         return doc
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """NaN and infinities as None, recursively (JSON has neither)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 
@@ -270,7 +270,7 @@ def write_outcome(outcome: RunOutcome, workdir: Path) -> None:
         write_records(outcome.records, workdir / "records.jsonl.gz")
     with open(workdir / "samples.jsonl", "w") as f:
         for s in outcome.samples:
-            f.write(json.dumps(_finite(asdict(s))) + "\n")
+            f.write(json.dumps(finite(asdict(s))) + "\n")
     (workdir / "outcome.json").write_text(json.dumps(outcome.doc(), indent=2) + "\n")
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "StabilityOptions",
     "header_note",
     "plan_scales",
+    "prepare_plan",
     "read_stability",
     "require_stable",
     "run_study_stability",
@@ -130,7 +131,7 @@ def _max_model_len(job: Any, args: Mapping[str, Any], model_max: int | None) -> 
     raise ConfigError("no max-model-len known for the long inputs: set trace.shaping.max_model_len")
 
 
-def _prepare(folder: Path, saved: Mapping[str, Any]) -> Any:
+def prepare_plan(folder: Path, saved: Mapping[str, Any]) -> Any:
     """The study's plan, prepared again here, its output folder the study folder now."""
     from optimizer.config import load_job
     from optimizer.study import prepare
@@ -171,7 +172,7 @@ def run_study_stability(
 
     say = progress or (lambda _: None)
     choice = choose(study, None, trial_number=options.trial)
-    plan = _prepare(folder, saved)
+    plan = prepare_plan(folder, saved)
     cap = choice.chosen.capacity
     base_scale, burst_scale = plan_scales(
         cap.scale if cap is not None else None, options.fraction, options.burst_factor

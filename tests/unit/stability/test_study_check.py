@@ -159,6 +159,34 @@ def test_the_after_study_stage_checks_plots_and_logs_and_export_requires_it(
     out = capsys.readouterr().out
     assert "plots: " in out and "MLflow" not in out
 
+    # --rejudge recomputes the verdicts from the stored runs: a document whose verdicts were
+    # judged by other rules (here a FAKE edit: the chosen failed on memory, drift wiped) is
+    # judged again and is stable, with the drift of whole loops of the trace.
+    good = json.loads((folder / "stability.json").read_text())
+    edited = json.loads(json.dumps(good))
+    chosen = edited["runs"]["chosen"]
+    chosen["status"], edited["status"] = "unstable", "unstable"
+    chosen["verdicts"] = [
+        {**v, "status": "fail"} if v["name"] == "memory_rss" else v
+        for v in chosen["verdicts"]
+        if v["name"] != "drift"
+    ]
+    del edited["plan"]["trace_period_s"]
+    (folder / "stability.json").write_text(json.dumps(edited))
+    assert cli.main(["stability", str(folder), "--rejudge", "--no-mlflow"]) == 0
+    again = json.loads((folder / "stability.json").read_text())
+    assert again["status"] == "stable" and "rejudged_at" in again
+    assert again["plan"]["trace_period_s"] > 0
+    assert [v["name"] for v in again["runs"]["chosen"]["verdicts"]] == [
+        v["name"] for v in good["runs"]["chosen"]["verdicts"]
+    ]
+    # A run whose records are gone cannot be judged again: one clear error, nothing rewritten.
+    (folder / again["runs_dir"] / "chosen" / "records.jsonl.gz").unlink()
+    capsys.readouterr()
+    assert cli.main(["stability", str(folder), "--rejudge", "--no-mlflow"]) == 2
+    assert "cannot be judged again" in " ".join(capsys.readouterr().err.split())
+    assert json.loads((folder / "stability.json").read_text()) == again
+
 
 def test_a_job_stability_section_is_strict(tmp_path: Path) -> None:
     from optimizer.errors import ConfigError
