@@ -36,9 +36,9 @@ from optimizer.stability.verdicts import (
 from optimizer.trial_io import write_records
 from optimizer.types import EngineConfig, RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayOptions, run_replay
+from optimizer.workload.replay import ReplayOptions, ReplayProgress, run_replay
 
-__all__ = ["RunOutcome", "Target", "finite", "measure", "run_on_new_server"]
+__all__ = ["RunOutcome", "Target", "finite", "measure", "progress_lines", "run_on_new_server"]
 
 _WARMUP_REQUESTS = 8
 
@@ -153,6 +153,7 @@ def measure(
     label: str,
     engine_args: Mapping[str, Any],
     warmup_trace: Trace | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RunOutcome:
     """Run the plan against the server at ``url`` and judge it.
 
@@ -166,6 +167,7 @@ def measure(
         label: Names the run.
         engine_args: Recorded with the outcome.
         warmup_trace: Its first requests warm the server up first (default: the load's).
+        progress: Told a line every 30 s while the plan runs (:func:`progress_lines`).
     """
     _warm_up(url, warmup_trace or load.trace, target)
     # Prompts for the whole load are built before time zero: a second per 300 requests.
@@ -188,6 +190,7 @@ def measure(
                 max_duration_s=plan.duration_s + plan.settings.drain_grace_s,
                 max_send_lag_ms=target.max_send_lag_ms,
             ),
+            progress=progress_lines(label, plan, progress) if progress is not None else None,
         )
     finally:
         samples = sampler.stop()
@@ -219,6 +222,7 @@ def run_on_new_server(
     startup_timeout_s: float = 900.0,
     warmup_trace: Trace | None = None,
     on_ready: Callable[[EngineProcess], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RunOutcome:
     """Start a server for ``config``, run the plan, stop it; the run's files go to ``workdir``
     (``engine.log``, ``records.jsonl.gz``, ``samples.jsonl``, ``outcome.json``). A server that
@@ -235,6 +239,8 @@ def run_on_new_server(
         else:
             if on_ready is not None:
                 on_ready(engine)
+            if progress is not None:
+                progress(f"{label}: server up in {engine.startup_s or 0:.0f} s; warming up")
             outcome = measure(
                 engine.url,
                 engine.scrape_metrics,
@@ -245,6 +251,7 @@ def run_on_new_server(
                 label=label,
                 engine_args=config.args,
                 warmup_trace=warmup_trace,
+                progress=progress,
             )
             outcome.startup_s = engine.startup_s
             try:
@@ -255,6 +262,29 @@ def run_on_new_server(
         engine.stop()
     write_outcome(outcome, workdir)
     return outcome
+
+
+def progress_lines(
+    label: str, plan: StabilityPlan, say: Callable[[str], None], every_s: float = 30.0
+) -> Callable[[ReplayProgress], None]:
+    """A replay progress callback that says one line every ``every_s`` of the plan (and one
+    when every request has finished): the phase, the time, requests done and failed, the P95
+    TTFT so far. Nothing per request."""
+    last = [-math.inf]
+
+    def on(p: ReplayProgress) -> None:
+        finished = p.completed + p.failed >= p.total
+        if p.elapsed_s - last[0] < every_s and not (finished and last[0] < math.inf):
+            return
+        last[0] = math.inf if finished else p.elapsed_s
+        t = min(max(p.elapsed_s, 0.0), plan.duration_s)
+        ttft = "-" if p.p95_ttft_ms is None else f"{p.p95_ttft_ms:,.0f} ms"
+        say(
+            f"{label}: {plan.phase_at(t)} at {t:.0f}/{plan.duration_s:.0f} s, "
+            f"{p.completed}/{p.total} done, {p.failed} failed, P95 TTFT so far {ttft}"
+        )
+
+    return on
 
 
 def _why(exc: EngineError) -> str:

@@ -218,6 +218,7 @@ def run_study_stability(
             python=spec.python,
             startup_timeout_s=spec.startup_timeout_s,
             warmup_trace=plan.trace,
+            progress=say,
         )
         say(f"{label}: {outcome.status}" + (f" ({outcome.failure})" if outcome.failure else ""))
         outcomes.append(outcome)

@@ -85,10 +85,22 @@ def test_stability_plan_passes_a_healthy_server_and_catches_a_too_small_kv_cache
         model=str(tiny_model),
         args={**TINY_ARGS, "max-num-batched-tokens": 512, "kv-cache-memory-bytes": 1_400_000},
     )
+    said: list[str] = []
     fault = run_on_new_server(
-        fault_config, load, plan, target, label="fault", workdir=tmp_path / "fault"
+        fault_config,
+        load,
+        plan,
+        target,
+        label="fault",
+        workdir=tmp_path / "fault",
+        progress=said.append,
     )
     assert not fault.failure, fault.failure
+    # Progress while it ran: the start, then a line every 30 s of the plan (it lasts 33 s) and
+    # one at the end, from the real replay's progress.
+    assert said[0].startswith("fault: server up in "), said
+    assert any(ln.startswith("fault: sustained at 0/") for ln in said), said
+    assert f"/{len(load.trace)} done" in said[-1], said
     bad = {v.name: v for v in fault.verdicts if v.status == "fail"}
     texts = {v.name: v.text for v in fault.verdicts}
     assert fault.status == "unstable", texts

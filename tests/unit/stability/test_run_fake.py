@@ -21,11 +21,12 @@ from optimizer.cli import _with_stability_note
 from optimizer.export.render import ExportContext
 from optimizer.stability.command import verdict_table
 from optimizer.stability.plan import PlanSettings, build_load, build_plan
-from optimizer.stability.run import RunOutcome, Target, measure, write_outcome
+from optimizer.stability.run import RunOutcome, Target, measure, progress_lines, write_outcome
 from optimizer.stability.verdicts import Verdict
 from optimizer.stability.workflow import STABILITY_FILE, header_note, stability_doc
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
+from optimizer.workload.replay import ReplayProgress
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -142,3 +143,27 @@ def test_study_folder_keeps_the_check_and_export_quotes_it(tmp_path: Path) -> No
     console.print(verdict_table(doc))
     text = console.export_text()
     assert "memory_rss" in text and "slope [x]" in text and "baseline" in text
+
+
+def test_progress_lines_say_the_phase_every_30_s_and_once_at_the_end() -> None:
+    plan = build_plan(
+        PlanSettings(sustained_s=60, burst_s=10, recovery_s=30, long_input_s=20),
+        base_scale=1.0,
+        burst_scale=3.0,
+        max_model_len=2048,
+    )
+    lines: list[str] = []
+    on = progress_lines("chosen", plan, lines.append)
+    for t in range(0, 121):  # a call a second, as the replay's progress would come
+        done = min(t, 100)
+        on(ReplayProgress(float(t), 100, done, done, 0, 0, 250.0 if t else None))
+    on(ReplayProgress(121.0, 100, 100, 100, 0, 0, 250.0))  # a late call after the end
+    assert [ln.split(",")[0] for ln in lines] == [
+        "chosen: sustained at 0/120 s",
+        "chosen: sustained at 30/120 s",
+        "chosen: burst at 60/120 s",
+        "chosen: recovery at 90/120 s",
+        "chosen: long_input at 100/120 s",
+    ]
+    assert "100/100 done, 0 failed, P95 TTFT so far 250 ms" in lines[-1]
+    assert "P95 TTFT so far -" in lines[0]
