@@ -23,6 +23,7 @@ __all__ = [
     "gpus",
     "placement",
     "server_gpu_mib",
+    "smi_rows",
     "visible_gpus",
 ]
 
@@ -45,7 +46,9 @@ class ComputeApp:
     used_mib: float
 
 
-def _smi(query: str, fields: str) -> list[list[str]] | None:
+def smi_rows(query: str, fields: str) -> list[list[str]] | None:
+    """``nvidia-smi --query-QUERY=FIELDS`` as rows of stripped fields (None: no ``nvidia-smi``,
+    or it failed)."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
@@ -70,7 +73,7 @@ def _number(text: str) -> float | None:
 
 def gpus() -> list[Gpu] | None:
     """Every GPU of the machine (None: no ``nvidia-smi``)."""
-    rows = _smi("gpu", "index,uuid,memory.used")
+    rows = smi_rows("gpu", "index,uuid,memory.used")
     if rows is None:
         return None
     found = []
@@ -82,7 +85,7 @@ def gpus() -> list[Gpu] | None:
 
 def compute_apps() -> list[ComputeApp] | None:
     """Every process holding GPU memory (None: no ``nvidia-smi``)."""
-    rows = _smi("compute-apps", "pid,gpu_uuid,used_memory")
+    rows = smi_rows("compute-apps", "pid,gpu_uuid,used_memory")
     if rows is None:
         return None
     found = []

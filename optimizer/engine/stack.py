@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from optimizer.engine.gpus import smi_rows
 
 __all__ = [
     "STACK_KEYS",
@@ -49,30 +50,13 @@ print(json.dumps(out))
 """
 
 
-def _nvidia_smi(query: str) -> list[str]:
-    """Lines of ``nvidia-smi --query-gpu=QUERY`` (empty without a GPU or the tool)."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line for line in out.strip().splitlines() if line.strip()]
-
-
 def gpu_facts() -> tuple[int, float, str]:
     """(count, memory GiB of the first, name) from nvidia-smi; zeros without a GPU."""
-    lines = _nvidia_smi("name,memory.total")
-    if not lines:
+    rows = smi_rows("gpu", "name,memory.total") or []
+    if not rows:
         return 0, 0.0, ""
-    name, mem = lines[0].rsplit(",", 1)
-    return len(lines), float(mem) / 1024.0, name.strip()
+    *name, mem = rows[0]
+    return len(rows), float(mem) / 1024.0, ",".join(name)
 
 
 def hardware_line(cpu_build: bool) -> str:
@@ -110,9 +94,9 @@ def installed_stack(python: str | None = None, *, cpu_build: bool) -> dict[str, 
         pass
     out["hardware"] = hardware_line(cpu_build)
     out["cpu"] = _cpu_model()
-    driver = _nvidia_smi("driver_version")
+    driver = smi_rows("gpu", "driver_version")
     if driver and not cpu_build:
-        out["gpu_driver"] = driver[0].strip()
+        out["gpu_driver"] = driver[0][0]
     return out
 
 
