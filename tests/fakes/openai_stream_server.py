@@ -31,13 +31,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import struct
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from subprocess import PIPE, Popen
 from typing import Any
 
-__all__ = ["FakeOpenAIServer", "main"]
+__all__ = ["FakeOpenAIServer", "in_subprocess", "main"]
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
 
@@ -331,6 +336,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--vocab", type=int, default=None, help="reject token ids at or above")
     asyncio.run(_amain(parser.parse_args(argv)))
+
+
+@contextlib.contextmanager
+def in_subprocess(*flags: str, new_session: bool = False) -> Iterator[tuple[str, Popen[str]]]:
+    """This FAKE server in a process of its own (``--port 0`` and ``flags``): its base URL and
+    the process (to stop or signal it); terminated on exit (a stopped one is continued first).
+    ``new_session``: in a process group of its own (``os.getpgid(process.pid)``)."""
+    root = Path(__file__).resolve().parents[2]
+    process = Popen(
+        [sys.executable, "-m", "tests.fakes.openai_stream_server", "--port", "0", *flags],
+        cwd=root,
+        stdout=PIPE,
+        text=True,
+        start_new_session=new_session,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("listening on"), line
+        yield f"http://127.0.0.1:{int(line.split()[-1])}", process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        process.wait(timeout=10)
 
 
 if __name__ == "__main__":

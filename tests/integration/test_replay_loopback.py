@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import run_replay
+from tests.fakes.openai_stream_server import in_subprocess
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def fake_server_url() -> Iterator[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.openai_stream_server", "--port", "0", "--itl-ms", "1"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("listening on"), line
-        yield f"http://127.0.0.1:{int(line.split()[-1])}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with in_subprocess("--itl-ms", "1") as (url, _):
+        yield url
 
 
 def test_200_requests_at_50_per_second(fake_server_url: str) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,37 +25,13 @@ from optimizer.stability.workflow import STABILITY_FILE, header_note, stability_
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.fakes.openai_stream_server import in_subprocess
 
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[tuple[str, int]]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fakes.openai_stream_server",
-            "--port",
-            "0",
-            "--ttft-ms",
-            "20",
-            "--itl-ms",
-            "2",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("listening on"), line
-        yield f"http://127.0.0.1:{int(line.split()[-1])}", os.getpgid(process.pid)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with in_subprocess("--ttft-ms", "20", "--itl-ms", "2", new_session=True) as (url, process):
+        yield url, os.getpgid(process.pid)
 
 
 def test_measure_puts_records_and_samples_on_one_timeline(

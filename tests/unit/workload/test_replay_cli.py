@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from optimizer.cli import main
+from tests.fakes.openai_stream_server import in_subprocess
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -18,21 +17,8 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def small_vocab_server() -> Iterator[str]:
     """A fake server with a 4096-token vocabulary (ids past it: HTTP 400, as vLLM)."""
-    command = [sys.executable, "-m", "tests.fakes.openai_stream_server"]
-    process = subprocess.Popen(
-        [*command, "--port", "0", "--vocab", "4096"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("listening on"), line
-        yield f"http://127.0.0.1:{int(line.split()[-1])}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with in_subprocess("--vocab", "4096") as (url, _):
+        yield url
 
 
 def _trace(tmp_path: Path, n: int = 11) -> Path:

@@ -18,10 +18,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -34,8 +32,8 @@ from optimizer.workload.replay import (
     describe_error,
     replay,
 )
+from tests.fakes.openai_stream_server import in_subprocess
 
-REPO = Path(__file__).resolve().parents[3]
 KEEPALIVE_S = 1.0
 N1 = 16  # first phase: a connection in every one of up to 16 pools
 N2 = 8  # second phase, during the stall: on idle connections
@@ -43,29 +41,8 @@ N2 = 8  # second phase, during the stall: on idle connections
 
 @pytest.fixture()
 def stoppable_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fakes.openai_stream_server",
-            "--port",
-            "0",
-            "--keepalive-s",
-            str(KEEPALIVE_S),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("listening on"), line
-        yield process, f"http://127.0.0.1:{int(line.split()[-1])}"
-    finally:
-        os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
-        process.wait(timeout=10)
+    with in_subprocess("--keepalive-s", str(KEEPALIVE_S)) as (url, process):
+        yield process, url
 
 
 def _stats(url: str) -> dict[str, int]:

@@ -15,11 +15,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -30,8 +27,8 @@ from optimizer.types import Trace, TraceRequest
 from optimizer.workload.http11 import LeanTransport
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayResult, replay, run_replay
+from tests.fakes.openai_stream_server import in_subprocess
 
-REPO = Path(__file__).resolve().parents[3]
 TTFT_MS = 100.0
 ITL_MS = 20.0
 OUTPUT_TOKENS = 11
@@ -39,30 +36,8 @@ OUTPUT_TOKENS = 11
 
 @pytest.fixture(scope="module")
 def timed_server() -> Iterator[str]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fakes.openai_stream_server",
-            "--port",
-            "0",
-            "--ttft-ms",
-            str(TTFT_MS),
-            "--itl-ms",
-            str(ITL_MS),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("listening on"), line
-        yield f"http://127.0.0.1:{int(line.split()[-1])}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with in_subprocess("--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS)) as (url, _):
+        yield url
 
 
 def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
