@@ -16,18 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from optimizer import cli_support
+from optimizer.cli_support import console, err_console
 from optimizer.errors import AutotuneError, ConfigError, EngineError
 
 __all__ = ["main"]
-
-# Logs and CI capture output without a terminal; rich would squeeze tables to 80 columns.
-_WIDTH = None if sys.stdout.isatty() else 150
-console = Console(stderr=False, width=_WIDTH)
-err_console = Console(stderr=True, width=_WIDTH)
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
@@ -529,15 +525,6 @@ def _replay_exit_code(
     return 0
 
 
-def _make_runner(kind: str, plan: Any, ray_address: str | None) -> Any:
-    from optimizer.runners import LocalRunner, RayRunner
-
-    if kind == "local":
-        return LocalRunner()
-    capacity = 1 if plan.context.cpu_build else plan.job.parallel
-    return RayRunner(ray_address or plan.job.ray_address, capacity=capacity)
-
-
 def _job_with_overrides(ns: argparse.Namespace) -> tuple[Any, Any]:
     """The job file, with --trials, --budget, --until, --ray-address and --storage over it."""
     from optimizer.config import load_job
@@ -617,7 +604,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     for note in plan.trace_notes:
         console.print(f"[dim]{note}[/]")
     t0 = time.monotonic()
-    runner = _make_runner(ns.runner, plan, job.ray_address)
+    runner = cli_support.make_runner(ns.runner, plan, job.ray_address)
     driver: StudyDriver | None = None
 
     def on_event(ev: StudyEvent) -> None:
@@ -678,7 +665,7 @@ def _stability_stage(plan: Any, ns: argparse.Namespace) -> None:
     from optimizer.stability.command import check_study
 
     console.print("[bold]Stability check[/] (the job's stability.after_study)")
-    saved, study = _load_study_dir(Path(plan.out))
+    saved, study = cli_support.load_study_dir(Path(plan.out))
     try:
         check_study(
             Path(plan.out),
@@ -737,7 +724,7 @@ def cmd_show(ns: argparse.Namespace) -> int:
     from optimizer.analysis.capacity import answer_for_plan, study_json
     from optimizer.report import front_table, status_table
 
-    plan, study = _load_study_dir(Path(ns.dir))
+    plan, study = cli_support.load_study_dir(Path(ns.dir))
     answer = answer_for_plan(study, plan, peak_rps=ns.peak_rps, gpu_hour_price=ns.gpu_hour_price)
     if ns.json:
         print(json.dumps(study_json(study, plan, answer), indent=2, default=str))
@@ -789,34 +776,6 @@ def cmd_mlflow_sync(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
-    import optuna
-
-    from optimizer.service.security import redact_url
-    from optimizer.study import create_storage
-    from optimizer.study_folder import portable_url, storage_url_of
-
-    plan_file = folder / "plan.json"
-    if not plan_file.exists():
-        raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
-    plan = json.loads(plan_file.read_text())
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = storage_url_of(plan, folder)
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
-        raise ConfigError(
-            f"{folder}: its storage {portable_url(url, folder)} is missing; copy the study "
-            "folder whole (plan.json with study.db)"
-        )
-    try:
-        study = optuna.load_study(study_name=plan["study"], storage=create_storage(url))
-    except Exception as exc:  # a missing or foreign storage: say which, no traceback
-        raise ConfigError(
-            f"{folder}: cannot open study {plan.get('study')!r} in its storage "
-            f"{redact_url(portable_url(url, folder))}: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
-    return plan, study
-
-
 def _capacity_line(study: Any, saved: dict[str, Any], number: int) -> str:
     from optimizer.analysis.capacity import answer_for_plan
 
@@ -863,7 +822,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if ns.chart_schema:  # a bad schema file fails now, not after minutes of re-validation
         ex.helm_schema_problems({}, Path(ns.chart_schema))
     folder = Path(ns.dir)
-    saved, study = _load_study_dir(folder)
+    saved, study = cli_support.load_study_dir(folder)
     weights = ex.parse_weights(ns.weight)
     choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
     _check_service_study(folder, saved, choice, not ns.no_validate)
@@ -1012,7 +971,7 @@ def _revalidate(
         folder,
         study,
         choice,
-        lambda plan: _make_runner(ns.runner, plan, None),
+        lambda plan: cli_support.make_runner(ns.runner, plan, None),
         label=f"trial-{choice.chosen.number}",
         runs=ns.runs,
         progress=lambda line: console.print(f"[dim]{line}[/]"),

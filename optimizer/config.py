@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from optimizer.errors import ConfigError
+from optimizer.stability.options import StabilityOptions, stability_options
+from optimizer.types import CapacitySettings
 
 __all__ = [
     "CapacitySection",
@@ -173,10 +175,8 @@ class CapacitySection(_Strict):
             )
         return self
 
-    def settings(self) -> Any:
-        """The search settings (:class:`optimizer.capacity.CapacitySettings`)."""
-        from optimizer.capacity.search import CapacitySettings
-
+    def settings(self) -> CapacitySettings:
+        """The search settings."""
         return CapacitySettings(
             start_scale=self.start_scale,
             min_scale=self.min_scale,
@@ -217,10 +217,8 @@ class StabilitySection(_Strict):
     window_s: float = Field(default=10.0, gt=0)
     baseline: bool = True
 
-    def options(self) -> Any:
-        """The check's options (:class:`optimizer.stability.workflow.StabilityOptions`)."""
-        from optimizer.stability.workflow import stability_options
-
+    def options(self) -> StabilityOptions:
+        """The check's options."""
         return stability_options(**self.model_dump(exclude={"after_study"}))
 
 

@@ -19,11 +19,14 @@ Per-request failures are data (``RequestRecord.error``), trial failures are stat
 
 Modules raise these; a few private exceptions that never leave their module (control flow in a
 parser) are not listed.
+
+This module is the ground floor of the package: it imports nothing of the project (the records of
+:mod:`optimizer.types` import it, for :class:`FailureClass` and the settings' errors).
 """
 
 from __future__ import annotations
 
-from optimizer.types import FailureClass
+import enum
 
 __all__ = [
     "AutotuneError",
@@ -31,6 +34,7 @@ __all__ = [
     "ConfigError",
     "EngineArgError",
     "EngineError",
+    "FailureClass",
     "NotFound",
     "ObjectiveError",
     "ReplayError",
@@ -39,6 +43,17 @@ __all__ = [
     "SubmissionRefused",
     "TraceError",
 ]
+
+
+class FailureClass(enum.StrEnum):
+    """Why an engine (or a trial) failed; stored in Optuna attributes and MLflow tags."""
+
+    OOM_AT_LOAD = "oom_at_load"
+    KV_CACHE_TOO_SMALL = "kv_cache_too_small"
+    INVALID_ARGUMENT = "invalid_argument"
+    CUDA_ERROR = "cuda_error"
+    ENGINE_CRASHED = "engine_crashed"
+    STARTUP_TIMEOUT = "startup_timeout"
 
 
 class AutotuneError(Exception):

@@ -1,4 +1,6 @@
-"""Frozen records shared by every part of the tuner (stdlib only).
+"""Frozen records shared by every part of the tuner, settings included.
+
+The ground floor with :mod:`optimizer.errors`: the standard library and that module only.
 
 Records hold raw observations with units in their names; metrics are derived later by pure
 functions in :mod:`objectives`. Times inside one trial come from one monotonic clock and are
@@ -10,12 +12,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from optimizer.capacity.search import CapacitySettings
+from optimizer.errors import ConfigError, FailureClass
 
 __all__ = [
+    "CapacitySettings",
     "EngineConfig",
     "FailureClass",
     "MemoryAccount",
@@ -113,15 +115,50 @@ class RequestRecord:
         return self.error is None
 
 
-class FailureClass(enum.StrEnum):
-    """Why an engine (or a trial) failed; stored in Optuna attributes and MLflow tags."""
+@dataclass(frozen=True, slots=True)
+class CapacitySettings:
+    """How one configuration's capacity is searched.
 
-    OOM_AT_LOAD = "oom_at_load"
-    KV_CACHE_TOO_SMALL = "kv_cache_too_small"
-    INVALID_ARGUMENT = "invalid_argument"
-    CUDA_ERROR = "cuda_error"
-    ENGINE_CRASHED = "engine_crashed"
-    STARTUP_TIMEOUT = "startup_timeout"
+    Attributes:
+        start_scale: First rate scale measured (1.0: the shaped trace as it is); also the
+            nominal scale whose latencies a ``capacity-latency`` study optimizes.
+        min_scale: Lowest scale tried; failing there means the configuration serves none of
+            this traffic within the SLOs (capacity 0).
+        max_scale: Highest scale tried; passing there means capacity is at least this.
+        growth: Factor between bracketing steps (> 1).
+        tolerance: Stop bisecting once ``hi / lo - 1 <= tolerance``.
+        max_steps: Replays a search may spend, repeats included.
+        noise: A step whose deciding margin is within this (relative to the threshold) of
+            zero is repeated before its verdict counts.
+        max_repeats: Extra replays of such a step.
+    """
+
+    start_scale: float = 1.0
+    min_scale: float = 1.0 / 16
+    max_scale: float = 16.0
+    growth: float = 2.0
+    tolerance: float = 0.05
+    max_steps: int = 8
+    noise: float = 0.05
+    max_repeats: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (0 < self.min_scale <= self.start_scale <= self.max_scale):
+            problems.append(
+                "scales must satisfy 0 < min_scale <= start_scale <= max_scale "
+                f"(got {self.min_scale:g}, {self.start_scale:g}, {self.max_scale:g})"
+            )
+        if not self.growth > 1:
+            problems.append(f"growth must be > 1 (got {self.growth:g})")
+        if not 0 < self.tolerance < 1:
+            problems.append(f"tolerance must lie in (0, 1) (got {self.tolerance:g})")
+        if self.max_steps < 1:
+            problems.append(f"max_steps must be >= 1 (got {self.max_steps})")
+        if self.noise < 0 or self.max_repeats < 0:
+            problems.append("noise and max_repeats must be >= 0")
+        if problems:
+            raise ConfigError("capacity search: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +237,7 @@ class TrialSpec:
         python: Interpreter with vLLM (None: the current one).
         max_send_lag_ms: Bound on the client's P99 send lag for a valid replay.
         capacity: Search this configuration's capacity at the SLOs (a
-            :class:`~optimizer.capacity.CapacitySettings`) instead of one fixed-load replay.
+            :class:`CapacitySettings`) instead of one fixed-load replay.
         preload_next: Once this trial's server is healthy, its runner may prepare the next
             trial's interpreter on the same GPUs (``engine.preload``).
     """

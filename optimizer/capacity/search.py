@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from optimizer.errors import ConfigError
+from optimizer.types import CapacitySettings
 
 __all__ = [
     "CapacityResult",
@@ -35,52 +35,6 @@ __all__ = [
     "StepOutcome",
     "search_capacity",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class CapacitySettings:
-    """How one configuration's capacity is searched.
-
-    Attributes:
-        start_scale: First rate scale measured (1.0: the shaped trace as it is); also the
-            nominal scale whose latencies a ``capacity-latency`` study optimizes.
-        min_scale: Lowest scale tried; failing there means the configuration serves none of
-            this traffic within the SLOs (capacity 0).
-        max_scale: Highest scale tried; passing there means capacity is at least this.
-        growth: Factor between bracketing steps (> 1).
-        tolerance: Stop bisecting once ``hi / lo - 1 <= tolerance``.
-        max_steps: Replays a search may spend, repeats included.
-        noise: A step whose deciding margin is within this (relative to the threshold) of
-            zero is repeated before its verdict counts.
-        max_repeats: Extra replays of such a step.
-    """
-
-    start_scale: float = 1.0
-    min_scale: float = 1.0 / 16
-    max_scale: float = 16.0
-    growth: float = 2.0
-    tolerance: float = 0.05
-    max_steps: int = 8
-    noise: float = 0.05
-    max_repeats: int = 1
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (0 < self.min_scale <= self.start_scale <= self.max_scale):
-            problems.append(
-                "scales must satisfy 0 < min_scale <= start_scale <= max_scale "
-                f"(got {self.min_scale:g}, {self.start_scale:g}, {self.max_scale:g})"
-            )
-        if not self.growth > 1:
-            problems.append(f"growth must be > 1 (got {self.growth:g})")
-        if not 0 < self.tolerance < 1:
-            problems.append(f"tolerance must lie in (0, 1) (got {self.tolerance:g})")
-        if self.max_steps < 1:
-            problems.append(f"max_steps must be >= 1 (got {self.max_steps})")
-        if self.noise < 0 or self.max_repeats < 0:
-            problems.append("noise and max_repeats must be >= 0")
-        if problems:
-            raise ConfigError("capacity search: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ def register(sub: Any) -> None:
 def cmd_regress(ns: argparse.Namespace) -> int:
     """Exit 0 when no figure moved beyond the noise for the worse, 4 when one did, 3 when a
     configuration could not be measured (every replay invalid: the client could not keep up)."""
-    from optimizer.cli import _load_study_dir, _make_runner, console
+    from optimizer.cli_support import console, load_study_dir, make_runner
     from optimizer.regress.workflow import REGRESS_FILE, RegressOptions, run_regress
 
     options = RegressOptions(
@@ -56,13 +56,13 @@ def cmd_regress(ns: argparse.Namespace) -> int:
     )
     options.check()  # before the study is opened: a bad option fails at once
     folder = Path(ns.dir)
-    saved, study = _load_study_dir(folder)
+    saved, study = load_study_dir(folder)
     doc = run_regress(
         folder,
         saved,
         study,
         options,
-        lambda plan: _make_runner(ns.runner, plan, None),
+        lambda plan: make_runner(ns.runner, plan, None),
         progress=lambda line: console.print(f"[dim]{escape(line)}[/]"),
     )
     console.print(stack_table(doc))

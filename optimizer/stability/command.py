@@ -68,12 +68,13 @@ def register(sub: Any) -> None:
 def cmd_stability(ns: argparse.Namespace) -> int:
     """Exit 0 when the chosen configuration is stable and no worse than the baseline, 4 when
     it is not."""
-    from optimizer.cli import _load_study_dir
+    from optimizer.cli_support import load_study_dir
     from optimizer.errors import ConfigError
-    from optimizer.stability.workflow import read_stability, stability_options
+    from optimizer.stability.options import stability_options
+    from optimizer.stability.workflow import read_stability
 
     folder = Path(ns.dir)
-    saved, study = _load_study_dir(folder)
+    saved, study = load_study_dir(folder)
     mlflow = not ns.no_mlflow
     if ns.replot or ns.rejudge:
         doc = read_stability(folder)
@@ -105,7 +106,7 @@ def check_study(
 ) -> int:
     """Run the check (the ``stability`` command, and ``tune``'s stage when the job asks for
     it), then :func:`report_check`."""
-    from optimizer.cli import console
+    from optimizer.cli_support import console
     from optimizer.stability.workflow import run_study_stability
 
     doc = run_study_stability(
@@ -120,7 +121,7 @@ def report_check(
     """The check's plots (into its run folder), its verdict table, and the check logged to the
     study's MLflow parent run when the job has MLflow on; 0 when stable and no worse than the
     baseline, else 4."""
-    from optimizer.cli import console, err_console
+    from optimizer.cli_support import console, err_console
     from optimizer.stability.plots import plot_stability
 
     try:

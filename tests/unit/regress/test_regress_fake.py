@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from optimizer import cli
+from optimizer import cli_support
 from optimizer.cli import main
 from optimizer.errors import ConfigError
 from optimizer.regress import workflow
@@ -61,7 +61,7 @@ def _use(monkeypatch: pytest.MonkeyPatch, runner: Any) -> list[Any]:
         made.append(runner)
         return runner
 
-    monkeypatch.setattr(cli, "_make_runner", make)
+    monkeypatch.setattr(cli_support, "make_runner", make)
     return made
 
 
@@ -157,7 +157,7 @@ def test_refused_flags_are_a_configuration_that_no_longer_runs(
 
 
 def test_export_re_validations_count_as_recorded_runs(study_dir: Path) -> None:
-    _saved, study = cli._load_study_dir(study_dir)
+    _saved, study = cli_support.load_study_dir(study_dir)
     view = TrialView(study.trials[0])
     for i, (args, status) in enumerate(
         [(view.engine_args, "complete"), ({"other": 1}, "complete"), (view.engine_args, "failed")]

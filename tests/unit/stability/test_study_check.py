@@ -16,7 +16,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from optimizer import cli, study
+from optimizer import cli, cli_support, study
 from optimizer.config import load_job
 from optimizer.stability import workflow
 from optimizer.stability.plots import LATENCY_PNG, SERVER_PNG
@@ -80,7 +80,9 @@ def test_the_after_study_stage_checks_plots_and_logs_and_export_requires_it(
     job = _job(tmp_path, stability=STABILITY)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert load_job(job, base=tmp_path)[0].stability.options().settings.sustained_s == 60
-    monkeypatch.setattr(cli, "_make_runner", lambda *_a: FakeRunner())  # trials are FAKES too
+    monkeypatch.setattr(
+        cli_support, "make_runner", lambda *_a: FakeRunner()
+    )  # trials are FAKES too
     assert cli.main(["tune", str(tmp_path / "job.yaml"), "--runner", "local"]) == 0
     out = capsys.readouterr().out
     folder = tmp_path / "out"
