@@ -526,7 +526,8 @@ def _replay_exit_code(
 
 
 def _job_with_overrides(ns: argparse.Namespace) -> tuple[Any, Any]:
-    """The job file, with --trials, --budget, --until, --ray-address and --storage over it."""
+    """The job file, with --trials, --budget, --until, --ray-address, --storage, --out and
+    --seed over it (--out relative to the working directory, as paths on a command line are)."""
     from optimizer.config import load_job
 
     overrides: dict[str, Any] = {}
@@ -539,6 +540,10 @@ def _job_with_overrides(ns: argparse.Namespace) -> tuple[Any, Any]:
         overrides["until"] = ns.until
     if ns.ray_address is not None:
         overrides["ray_address"] = ns.ray_address
+    if ns.out is not None:
+        overrides["out"] = str(Path(ns.out).resolve())
+    if ns.seed is not None:
+        overrides["sampler"] = {**job.sampler.model_dump(), "seed": ns.seed}
     storage = ns.storage or (None if job.storage else os.environ.get("VLLM_AUTOTUNE_STORAGE"))
     if storage:
         overrides["storage"] = storage
@@ -1236,6 +1241,10 @@ def _add_study_commands(sub: Any) -> None:
     p.add_argument("--budget", default=None, help="stop launching after e.g. 8h or 90m")
     p.add_argument("--until", default=None, help="stop launching at local time HH:MM")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    p.add_argument(
+        "--out", default=None, help="study folder (default: the job's out); e.g. a repeat's own"
+    )
+    p.add_argument("--seed", type=int, default=None, help="override the sampler's seed")
     p.add_argument(
         "--storage",
         default=None,

@@ -223,9 +223,11 @@ class StabilitySection(_Strict):
 
 
 class SamplerSection(_Strict):
-    """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison."""
+    """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison,
+    grid to measure every configuration of a space whose params are all enumerable (a
+    categorical param's choices, a numeric param's steps) once, in an order the seed shuffles."""
 
-    name: Literal["tpe", "gp", "random"] = "tpe"
+    name: Literal["tpe", "gp", "random", "grid"] = "tpe"
     seed: int | None = 0
     n_startup_trials: int = Field(default=4, ge=0)
 

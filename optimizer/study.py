@@ -33,7 +33,7 @@ import json
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -254,6 +254,8 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
 
     shaped, notes = _shaped_trace(job)
     space = load_space(job.search_space)
+    if job.sampler.name == "grid":
+        space.grid()  # every param enumerable: refused here, before anything starts
     objectives = load_objectives(
         job.objectives.preset if not job.objectives.objectives else None,
         job.objectives.objectives,
@@ -351,8 +353,13 @@ def create_storage(
     )
 
 
-def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler:
+def _sampler(
+    job: JobConfig, space: SearchSpace, resumed_at: int = 0
+) -> optuna.samplers.BaseSampler:
     """The job's sampler; ``resumed_at``: trials the study already holds.
+
+    The grid sampler skips the grid points the study's trials already measured, so a resumed
+    grid study goes on where it stopped.
 
     A seeded sampler restarts its random sequence in every new driver, so a resumed study would
     propose the first driver's configurations again: the seed is offset by the trial count.
@@ -361,6 +368,8 @@ def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler
     seed = None if s.seed is None else s.seed + resumed_at
     if s.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    if s.name == "grid":
+        return _GridSampler(space.grid(), seed=s.seed)
     if s.name == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials)
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
@@ -372,6 +381,21 @@ def _sampler(job: JobConfig, resumed_at: int = 0) -> optuna.samplers.BaseSampler
         constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
+
+
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler for an ask/tell loop: once every grid point is measured it calls
+    ``study.stop()``, which only ``study.optimize`` allows (a RuntimeError from ``tell``
+    otherwise); the driver asks :meth:`is_exhausted` before it launches instead."""
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        return None
 
 
 def is_baseline(trial: FrozenTrial) -> bool:
@@ -438,7 +462,7 @@ class StudyDriver:
         self.study = optuna.create_study(
             study_name=job.name,
             storage=self.storage,
-            sampler=_sampler(job),
+            sampler=_sampler(job, plan.space),
             directions=[o.direction for o in plan.objectives.objectives],
             load_if_exists=True,
         )
@@ -446,7 +470,7 @@ class StudyDriver:
             self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
         held = len(self.study.get_trials(deepcopy=False))
         if held:
-            self.study.sampler = _sampler(job, resumed_at=held)
+            self.study.sampler = _sampler(job, plan.space, resumed_at=held)
         self.started_at = now()
         self.deadline: datetime | None = None
         if job.budget:
@@ -502,6 +526,9 @@ class StudyDriver:
 
     def _may_launch(self) -> bool:
         if self._stop_requested:
+            return False
+        sampler = self.study.sampler
+        if isinstance(sampler, _GridSampler) and sampler.is_exhausted(self.study):
             return False
         left = self.remaining()
         if left is not None and left <= 0:

@@ -131,6 +131,11 @@ class CapacitySettings:
         noise: A step whose deciding margin is within this (relative to the threshold) of
             zero is repeated before its verdict counts.
         max_repeats: Extra replays of such a step.
+        race_at: Racing: the study's incumbent capacity (a rate scale), set per trial by the
+            study (None: no race, the search starts at ``start_scale``).
+        race_margin: Racing: the first step is at ``race_at * (1 + race_margin)``.
+        race_growth: Racing: factor between steps up from a passed race step (> 1; smaller
+            than ``growth``: a configuration that beats the incumbent rarely doubles it).
     """
 
     start_scale: float = 1.0
@@ -141,6 +146,9 @@ class CapacitySettings:
     max_steps: int = 8
     noise: float = 0.05
     max_repeats: int = 1
+    race_at: float | None = None
+    race_margin: float = 0.0
+    race_growth: float = 1.25
 
     def __post_init__(self) -> None:
         problems = []
@@ -157,6 +165,12 @@ class CapacitySettings:
             problems.append(f"max_steps must be >= 1 (got {self.max_steps})")
         if self.noise < 0 or self.max_repeats < 0:
             problems.append("noise and max_repeats must be >= 0")
+        if self.race_at is not None and not self.race_at > 0:
+            problems.append(f"race_at must be > 0 (got {self.race_at:g})")
+        if not -0.5 <= self.race_margin <= 1.0:
+            problems.append(f"race_margin must lie in [-0.5, 1] (got {self.race_margin:g})")
+        if not self.race_growth > 1:
+            problems.append(f"race_growth must be > 1 (got {self.race_growth:g})")
         if problems:
             raise ConfigError("capacity search: " + "; ".join(problems))
 

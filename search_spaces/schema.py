@@ -462,6 +462,45 @@ class SearchSpace(_Strict):
                 values[name] = param.suggest(trial, name)
         return _assemble(values, self._switched())
 
+    def grid(self, max_points: int = 10_000) -> dict[str, list[Any]]:
+        """Every param's values, for Optuna's ``GridSampler`` (every combination is a trial).
+
+        A categorical param gives its choices, an int or float param on a ``step`` grid every
+        step from ``low`` to ``high``.
+
+        Raises:
+            SearchSpaceError: A param that is conditional (a grid sets every param in every
+                trial) or continuous (no ``step``), or a grid of over ``max_points`` points.
+        """
+        out: dict[str, list[Any]] = {}
+        for name, param in self.params.items():
+            where = f"search space {self.name!r}, params.{name}"
+            if param.condition():
+                raise SearchSpaceError(
+                    f"{where}: the grid sampler sets every param in every trial; drop its "
+                    "`when` (or use another sampler)"
+                )
+            if isinstance(param, CategoricalParam):
+                out[name] = list(param.choices)
+            elif param.step is None:
+                raise SearchSpaceError(
+                    f"{where}: a grid needs the values to try; make it categorical (choices: "
+                    "[...]) or give it a step"
+                )
+            else:
+                count = math.floor((param.high - param.low) / param.step + _FLOAT_TOLERANCE)
+                values = [param.low + i * param.step for i in range(count + 1)]
+                out[name] = [
+                    round(v, _GRID_DECIMALS) if isinstance(v, float) else v for v in values
+                ]
+        points = math.prod(len(v) for v in out.values())
+        if points > max_points:
+            raise SearchSpaceError(
+                f"search space {self.name!r}: a grid of {points} configurations (over "
+                f"{max_points}); use fewer choices or another sampler"
+            )
+        return out
+
     def flag_values(self) -> dict[str, list[Any]]:
         """Representative values of every top-level flag, for validation against vLLM.
 

@@ -16,6 +16,21 @@ step whose deciding margin (the largest SLO margin, relative to its threshold) l
 is that of the mean margin; the spread of the repeats is kept as the step's noise. A step that
 was stopped early (its SLOs out of reach) is a certain fail and is never repeated.
 
+**Racing at the incumbent** (``race_at`` set: the study's best capacity so far): the first
+step is at the incumbent's scale (times ``1 + race_margin``). A configuration that passes there
+may beat the incumbent: the search goes up by ``race_growth`` until a step fails, then bisects
+as usual. One that fails cannot win: the search stops after at most one more step, at that
+scale divided by ``growth``, which bounds it from below when it passes (the trial's capacity
+lies in that bracket, estimated as below) and, when it fails too, leaves only an upper bound
+(``raced_out``: the study tells such a trial to the sampler as pruned, never as a measured
+capacity). A losing trial costs two steps instead of a whole search.
+
+**The estimate** (:func:`estimate_capacity`): within the final bracket, the deciding margin
+(the largest SLO margin) of every fully measured step, made non-decreasing in the scale
+(isotonic regression: a noisy step cannot make the curve turn back), is interpolated linearly
+in log scale to where it crosses zero. Its uncertainty is the margin noise divided by the
+curve's slope, within the bracket. The sampler gets the estimate; the bracket stays beside it.
+
 The search is pure: it calls ``measure(scale, attempt)`` and never touches a server, so it is
 unit-tested against fake servers of known capacity (tests/unit/capacity).
 """
@@ -27,12 +42,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scipy.optimize import isotonic_regression
+
 from optimizer.types import CapacitySettings
 
 __all__ = [
+    "CapacityEstimate",
     "CapacityResult",
     "CapacitySettings",
     "StepOutcome",
+    "estimate_capacity",
     "search_capacity",
 ]
 
@@ -82,6 +101,34 @@ class StepOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class CapacityEstimate:
+    """A point estimate of the capacity (a rate scale) inside the search's bracket.
+
+    Attributes:
+        scale: The estimate (0.0 when no scale passed).
+        lo: Lower end of its uncertainty (never below the bracket's ``lo``).
+        hi: Upper end (never above the bracket's ``hi``; ``math.inf`` when open).
+        method: ``interpolated`` (the margins' zero crossing), ``bracket midpoint`` (no fully
+            measured failing step to interpolate to), ``lower bound`` (passed at the highest
+            scale tried) or ``none`` (no scale passed).
+    """
+
+    scale: float
+    lo: float
+    hi: float
+    method: str
+
+    @property
+    def uncertainty(self) -> float:
+        """Half the estimate's range relative to it (``inf`` when open, 0 for none)."""
+        if self.scale <= 0:
+            return 0.0
+        if not math.isfinite(self.hi):
+            return math.inf
+        return (self.hi - self.lo) / 2 / self.scale
+
+
+@dataclass(frozen=True, slots=True)
 class CapacityResult:
     """What the search found.
 
@@ -94,6 +141,10 @@ class CapacityResult:
         stop: Why the search ended, in words.
         spread: Largest relative spread of the deciding margin among a step's repeats
             (0.0 when nothing was repeated): the run-to-run noise the search saw.
+        estimate: The point estimate inside the bracket (:func:`estimate_capacity`).
+        raced: The search raced at an incumbent and this configuration lost (failed at the
+            incumbent's scale): it stopped early, its bracket is coarse.
+        race_scale: The scale of the race step (None without racing).
     """
 
     scale: float
@@ -103,6 +154,14 @@ class CapacityResult:
     converged: bool
     stop: str
     spread: float = 0.0
+    estimate: CapacityEstimate | None = None
+    raced: bool = False
+    race_scale: float | None = None
+
+    @property
+    def raced_out(self) -> bool:
+        """Lost the race and failed one step below too: only an upper bound (``hi``) known."""
+        return self.raced and self.lo <= 0
 
     @property
     def bracket_width(self) -> float:
@@ -169,53 +228,150 @@ class _Search:
 
     def run(self) -> CapacityResult:
         s = self.s
-        lo, hi = 0.0, math.inf
-        scale = s.start_scale
-        stop = ""
-        # Bracket.
-        while True:
-            if self.left <= 0:
-                stop = "step limit reached while bracketing"
-                break
-            if self.verdict(scale):
-                lo = scale
-                if scale >= s.max_scale:
-                    stop = f"passed at the highest scale tried (x{s.max_scale:g})"
-                    break
-                if math.isfinite(hi):
-                    break
-                scale = min(scale * s.growth, s.max_scale)
-            else:
-                hi = scale
-                if lo > 0:
-                    break
-                if scale <= s.min_scale:
-                    stop = f"failed at the lowest scale tried (x{s.min_scale:g})"
-                    break
-                scale = max(scale / s.growth, s.min_scale)
-        # Bisect.
+        race = (
+            None
+            if s.race_at is None
+            else min(max(s.race_at * (1 + s.race_margin), s.min_scale), s.max_scale)
+        )
+        if race is not None:
+            lo, hi, stop, raced = self._race(race)
+        else:
+            (lo, hi, stop), raced = self._bracket(s.start_scale, s.growth, 0.0, math.inf), False
         if not stop:
-            while hi / lo - 1.0 > s.tolerance:
-                if self.left <= 0:
-                    stop = "step limit reached while bisecting"
-                    break
-                mid = math.sqrt(lo * hi)
-                if self.verdict(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            else:
-                stop = f"bracket within {s.tolerance:.0%}"
+            lo, hi, stop = self._bisect(lo, hi)
         converged = lo > 0 and math.isfinite(hi) and hi / lo - 1.0 <= s.tolerance
+        steps = tuple(self.steps)
         return CapacityResult(
             scale=lo,
             lo=lo,
             hi=hi,
-            steps=tuple(self.steps),
+            steps=steps,
             converged=converged,
             stop=stop,
             spread=self.spread,
+            estimate=estimate_capacity(steps, lo, hi, max(s.noise, self.spread / 2)),
+            raced=raced,
+            race_scale=race,
         )
+
+    def _race(self, race: float) -> tuple[float, float, str, bool]:
+        """The race step at the incumbent's scale: up from it when it passes, else at most one
+        step below it. Returns (lo, hi, stop, lost): ``stop`` empty when bisection follows."""
+        s = self.s
+        if self.verdict(race):
+            if race >= s.max_scale:
+                return (
+                    race,
+                    math.inf,
+                    f"passed at the highest scale tried (x{s.max_scale:g})",
+                    False,
+                )
+            up = min(race * s.race_growth, s.max_scale)
+            lo, hi, stop = self._bracket(up, s.race_growth, race, math.inf)
+            return lo, hi, stop, False
+        if race <= s.min_scale:
+            return 0.0, race, f"failed at the lowest scale tried (x{s.min_scale:g})", False
+        below = max(race / s.growth, s.min_scale)
+        if self.left <= 0:
+            return 0.0, race, f"raced out: failed at the incumbent's x{race:.3g}", True
+        if self.verdict(below):
+            return (
+                below,
+                race,
+                (f"raced out: failed at the incumbent's x{race:.3g}, passed at x{below:.3g}"),
+                True,
+            )
+        if below <= s.min_scale:
+            return 0.0, below, f"failed at the lowest scale tried (x{s.min_scale:g})", False
+        return (
+            0.0,
+            below,
+            (
+                f"raced out: failed at the incumbent's x{race:.3g} and at x{below:.3g}: its "
+                f"capacity is below x{below:.3g}"
+            ),
+            True,
+        )
+
+    def _bracket(
+        self, scale: float, growth: float, lo: float, hi: float
+    ) -> tuple[float, float, str]:
+        """Step by ``growth`` from ``scale`` until a pass and a fail are neighbours (or a
+        bound is reached). Returns (lo, hi, stop): ``stop`` empty when bisection follows."""
+        s = self.s
+        while True:
+            if self.left <= 0:
+                return lo, hi, "step limit reached while bracketing"
+            if self.verdict(scale):
+                lo = scale
+                if scale >= s.max_scale:
+                    return lo, hi, f"passed at the highest scale tried (x{s.max_scale:g})"
+                if math.isfinite(hi):
+                    return lo, hi, ""
+                scale = min(scale * growth, s.max_scale)
+            else:
+                hi = scale
+                if lo > 0:
+                    return lo, hi, ""
+                if scale <= s.min_scale:
+                    return lo, hi, f"failed at the lowest scale tried (x{s.min_scale:g})"
+                scale = max(scale / growth, s.min_scale)
+
+    def _bisect(self, lo: float, hi: float) -> tuple[float, float, str]:
+        """Measure the geometric midpoint until the bracket is within the tolerance."""
+        while hi / lo - 1.0 > self.s.tolerance:
+            if self.left <= 0:
+                return lo, hi, "step limit reached while bisecting"
+            mid = math.sqrt(lo * hi)
+            if self.verdict(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo, hi, f"bracket within {self.s.tolerance:.0%}"
+
+
+def estimate_capacity(
+    steps: tuple[StepOutcome, ...] | list[StepOutcome], lo: float, hi: float, noise: float
+) -> CapacityEstimate:
+    """Where the deciding margin crosses zero inside the bracket ``[lo, hi]``.
+
+    Args:
+        steps: Every measured step; those stopped early (partial margins) are left out.
+        lo: Highest passing scale (0: none passed).
+        hi: Lowest failing scale above ``lo`` (``math.inf``: none failed).
+        noise: The margins' noise (relative to the thresholds), for the uncertainty.
+    """
+    if lo <= 0:
+        return CapacityEstimate(0.0, 0.0, hi, "none")
+    if not math.isfinite(hi):
+        return CapacityEstimate(lo, lo, math.inf, "lower bound")
+    midpoint = CapacityEstimate(math.sqrt(lo * hi), lo, hi, "bracket midpoint")
+    by_scale: dict[float, list[float]] = {}
+    for step in steps:
+        if not step.stopped_early and math.isfinite(step.deciding_margin) and step.scale > 0:
+            by_scale.setdefault(step.scale, []).append(step.deciding_margin)
+    xs = sorted(by_scale)
+    if len(xs) < 2:
+        return midpoint
+    means = [sum(by_scale[x]) / len(by_scale[x]) for x in xs]
+    fitted = isotonic_regression(means, weights=[len(by_scale[x]) for x in xs]).x
+    above = next((i for i, f in enumerate(fitted) if f > 0), None)
+    if above is None or above == 0:
+        return midpoint
+    (x0, f0), (x1, f1) = (
+        (math.log(xs[above - 1]), fitted[above - 1]),
+        (math.log(xs[above]), fitted[above]),
+    )
+    slope = (f1 - f0) / (x1 - x0)
+    log_lo, log_hi = math.log(lo), math.log(hi)
+    at = min(max(x0 - f0 / slope, log_lo), log_hi)
+    spread = noise / slope
+    return CapacityEstimate(
+        scale=math.exp(at),
+        lo=math.exp(max(at - spread, log_lo)),
+        hi=math.exp(min(at + spread, log_hi)),
+        method="interpolated",
+    )
 
 
 def search_capacity(measure: Measure, settings: CapacitySettings) -> CapacityResult:

@@ -15,6 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from optimizer.config import load_job
+from optimizer.errors import SearchSpaceError
 from optimizer.report import front_rows, study_status
 from optimizer.study import StudyDriver, is_baseline, prepare
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
@@ -419,3 +420,37 @@ def test_enqueue_in_the_job_is_honoured_when_the_study_resumes(tmp_path: Path) -
     refused = [e for e in events if e.kind == "enqueue_refused"]
     assert len(refused) == 1 and '"max-num-seqs": 201' in refused[0].detail
     assert "--trials" in refused[0].detail and len(study.get_trials()) == 5
+
+
+_GRID_SPACE = {
+    "name": "g",
+    "params": {
+        "max-num-seqs": {"type": "categorical", "choices": [4, 16, 64]},
+        "max-num-batched-tokens": {"type": "int", "low": 512, "high": 1024, "step": 512},
+    },
+}
+
+
+def test_grid_sampler_measures_every_point_once_then_stops_and_resumes(tmp_path: Path) -> None:
+    """6 grid points and the baseline; a driver stopped after 4 trials resumes where it was."""
+    over = {"search_space": _GRID_SPACE, "sampler": {"name": "grid", "seed": 3}}
+    _driver(tmp_path, FakeRunner(), trials=4, **over).run()
+    runner = FakeRunner()
+    study = _driver(tmp_path, runner, trials=20, **over).run()
+    trials = study.get_trials()
+    # The grid is exhausted after 7 trials although 20 were allowed; no point twice.
+    assert len(trials) == 7 and is_baseline(trials[0])
+    grid = {
+        (
+            json.loads(t.user_attrs["engine_args"])["max-num-seqs"],
+            json.loads(t.user_attrs["engine_args"])["max-num-batched-tokens"],
+        )
+        for t in trials[1:]
+    }
+    assert grid == {(s, b) for s in (4, 16, 64) for b in (512, 1024)}
+    assert len(runner.specs) == 3  # the resumed driver measured only what was left
+
+
+def test_grid_sampler_refuses_a_continuous_param_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(SearchSpaceError, match=r"max-num-seqs.*categorical.*step"):
+        _driver(tmp_path, FakeRunner(), sampler={"name": "grid"})
