@@ -560,12 +560,16 @@ def _finished_trial_line(number: int, r: Any, trial: Any = None) -> str:
     if r.failure_class:
         text += f" ({r.failure_class.value})"
     cap = r.capacity
-    if cap and not cap.get("rps"):
+    if cap and cap.get("raced_out"):
+        text += f": {r.message}"
+    elif cap and not cap.get("rps"):
         text += f": capacity 0: {r.message}"
     elif cap:
+        from optimizer.trial_view import CapacityView
+
         text += (
-            f": capacity {cap.get('rps', 0):.3g} req/s (rate x{cap.get('scale', 0):.3g}, "
-            f"{len(cap.get('steps') or [])} steps"
+            f": capacity {CapacityView.from_doc(cap).rps_text()} "
+            f"(rate x{cap.get('scale', 0):.3g}, {len(cap.get('steps') or [])} steps"
             + (f"; above it {cap['broke_first']} broke" if cap.get("broke_first") else "")
             + ")"
         )

@@ -154,6 +154,12 @@ class CapacitySection(_Strict):
             the baseline and the winner need for it.
         gpu_hour_price: Price of one GPU-hour: the answer then says the cost per million
             output tokens at capacity.
+        racing: Race every tuned trial at the study's incumbent (its best capacity so far):
+            the first step at the incumbent's scale; a configuration that fails there stops
+            after one more step (:mod:`optimizer.capacity.search`). Off: every trial searches
+            from ``start_scale``.
+        race_margin: The race step is at the incumbent's scale times ``1 + race_margin``.
+        race_growth: Factor between steps up from a passed race step.
     """
 
     start_scale: float = Field(default=1.0, gt=0)
@@ -165,6 +171,9 @@ class CapacitySection(_Strict):
     max_repeats: int = Field(default=1, ge=0, le=5)
     peak_rps: float | None = Field(default=None, gt=0)
     gpu_hour_price: float | None = Field(default=None, gt=0)
+    racing: bool = False
+    race_margin: float = Field(default=0.0, ge=-0.5, le=1.0)
+    race_growth: float = Field(default=1.25, gt=1, le=4)
 
     @model_validator(mode="after")
     def _scales(self) -> CapacitySection:
@@ -185,6 +194,8 @@ class CapacitySection(_Strict):
             max_steps=self.max_steps,
             noise=self.noise,
             max_repeats=self.max_repeats,
+            race_margin=self.race_margin,
+            race_growth=self.race_growth,
         )
 
 

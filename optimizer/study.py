@@ -34,7 +34,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -735,6 +735,29 @@ class StudyDriver:
         return None
 
     def _spec(self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int) -> TrialSpec:
+        spec = self._plain_spec(trial, args, attempt)
+        incumbent = self._incumbent_scale()
+        if (
+            spec.capacity is not None
+            and self.plan.job.capacity.racing
+            and incumbent is not None
+            and not TrialView(self._frozen(trial.number)).is_baseline
+        ):
+            spec = replace(spec, capacity=replace(spec.capacity, race_at=incumbent))
+        return spec
+
+    def _incumbent_scale(self) -> float | None:
+        """The study's best capacity so far, as a rate scale (None: no trial carried any)."""
+        best = 0.0
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            cap = TrialView(t).capacity
+            if cap is not None and not cap.raced_out and TrialView(t).status == "complete":
+                best = max(best, cap.estimate_scale)
+        return best or None
+
+    def _plain_spec(
+        self, trial: optuna.trial.Trial, args: dict[str, Any], attempt: int
+    ) -> TrialSpec:
         return self.plan.trial_spec(
             trial.number,
             args,
@@ -792,7 +815,9 @@ class StudyDriver:
     def _tell(self, trial: optuna.trial.Trial, result: TrialResult, attempt: int) -> None:
         record_result(trial, result, attempt)
         objectives = self.plan.objectives
-        if result.status is TrialStatus.COMPLETE and result.capacity:
+        if result.status is TrialStatus.COMPLETE and (result.capacity or {}).get("raced_out"):
+            self._tell_raced_out(trial, result)
+        elif result.status is TrialStatus.COMPLETE and result.capacity:
             # A capacity trial: feasible when some scale met every SLO (capacity > 0).
             names = [str(slo) for slo in objectives.slos]
             for name, margin in zip(
@@ -818,6 +843,19 @@ class StudyDriver:
             # (marked partial) but never told as if comparable with a full replay: worst values,
             # every SLO violated.
             self._tell_failure(trial, result.status, result.message, record=False)
+
+    def _tell_raced_out(self, trial: optuna.trial.Trial, result: TrialResult) -> None:
+        """Lost the race and failed one step below too: no capacity was measured, only an
+        upper bound. Told as pruned, never as a value: TPE ranks pruned trials after every
+        complete one (a loser, as it is) and by their last intermediate value among
+        themselves (here the upper bound, single-objective studies only: Optuna keeps no
+        intermediate values for several objectives); the GP sampler leaves pruned trials out
+        (it cannot fit a censored value); random and grid sampling read nothing."""
+        record_status(trial, TrialStatus.RACED_OUT.value, result.message)
+        upper = (result.capacity or {}).get("rps_hi")
+        if len(self.study.directions) == 1 and isinstance(upper, int | float):
+            trial.report(float(upper), step=0)
+        self.study.tell(trial, state=TrialState.PRUNED)
 
     def _tell_failure(
         self, trial: optuna.trial.Trial, status: TrialStatus, message: str, *, record: bool = True

@@ -617,6 +617,9 @@ class _Syncer:
         view = TrialView(t)
         if view.failure_class:
             tags["failure_class"] = view.failure_class
+        if view.capacity is not None:
+            # The answer with its bracket: the estimate, how it was made, what was measured.
+            tags["capacity"] = view.capacity.rps_text()
         if view.message:
             tags["message"] = _tag_value(view.message)
         if view.retry_of is not None:

@@ -67,8 +67,19 @@ class CapacityView:
     """A capacity trial's search, as stored (see ``optimizer.capacity.trial.capacity_doc``).
 
     Attributes:
-        rps: Requests/s of the trace's mix carried within the SLOs (0: none).
+        rps: Requests/s of the trace's mix carried within the SLOs (0: none): the estimate
+            inside the bracket (a study folder written before the estimate: the bracket's low).
         output_tps: The same in output tokens/s.
+        rps_lo: The bracket's low in requests/s (the highest passing step's rate).
+        rps_hi: The bracket's high in requests/s (NaN when no step above failed).
+        estimate_lo: Low end of the estimate's range, requests/s.
+        estimate_hi: High end of the estimate's range, requests/s (NaN when open).
+        estimate_method: How the estimate was made (``interpolated``, ``bracket midpoint``,
+            ``lower bound``, ``none``; ``bracket`` for a folder written before estimates).
+        estimate_scale: The estimate as a rate scale.
+        raced: The search raced at the study's incumbent and this configuration lost.
+        raced_out: Lost the race and failed one step below too: only an upper bound
+            (``rps_hi``) is known; told to the sampler as pruned.
         scale: The highest passing rate scale.
         lo: Bracket low (highest pass).
         hi: Bracket high (lowest fail above ``lo``; NaN when none failed).
@@ -85,6 +96,14 @@ class CapacityView:
 
     rps: float
     output_tps: float
+    rps_lo: float
+    rps_hi: float
+    estimate_lo: float
+    estimate_hi: float
+    estimate_method: str
+    estimate_scale: float
+    raced: bool
+    raced_out: bool
     scale: float
     lo: float
     hi: float
@@ -102,10 +121,20 @@ class CapacityView:
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> CapacityView:
-        """Decode the stored document."""
+        """Decode the stored document (one written before estimates: the bracket's low)."""
+        rps = _float(doc.get("rps", 0.0))
+        est = doc.get("estimate") or {}
         return cls(
-            rps=_float(doc.get("rps", 0.0)),
+            rps=rps,
             output_tps=_float(doc.get("output_tps", 0.0)),
+            rps_lo=_float(doc.get("rps_lo", rps)),
+            rps_hi=_float(doc.get("rps_hi")),
+            estimate_lo=_float(est.get("rps_lo", rps)),
+            estimate_hi=_float(est.get("rps_hi", rps)),
+            estimate_method=str(est.get("method") or "bracket"),
+            estimate_scale=_float(est.get("scale", doc.get("scale", 0.0))),
+            raced=bool(doc.get("raced")),
+            raced_out=bool(doc.get("raced_out")),
             scale=_float(doc.get("scale", 0.0)),
             lo=_float(doc.get("lo", 0.0)),
             hi=_float(doc.get("hi")),
@@ -130,6 +159,21 @@ class CapacityView:
         """``[lo, hi]`` in requests/s terms of the scale, e.g. ``x[1.41, 1.5]``."""
         hi = "∞" if math.isnan(self.hi) else f"{self.hi:.3g}"
         return f"x[{self.lo:.3g}, {hi}]"
+
+    def rps_text(self) -> str:
+        """The answer in requests/s with how it was reached: ``1.02 req/s (interpolated,
+        ±3%; measured bracket 0.98-1.06)``, ``below 0.5 req/s (raced out)``, ``0``."""
+        if self.raced_out:
+            return f"below {self.rps_hi:.3g} req/s (raced out at the incumbent)"
+        if self.rps <= 0:
+            return "0 req/s"
+        hi = "∞" if math.isnan(self.rps_hi) else f"{self.rps_hi:.3g}"
+        bracket = f"measured bracket {self.rps_lo:.3g}-{hi}"
+        if self.estimate_method != "interpolated":
+            return f"{self.rps:.3g} req/s ({self.estimate_method}; {bracket})"
+        half = (self.estimate_hi - self.estimate_lo) / 2 / self.rps
+        raced = "; raced out at the incumbent" if self.raced else ""
+        return f"{self.rps:.3g} req/s (interpolated, ±{half:.0%}; {bracket}{raced})"
 
 
 @dataclass(frozen=True)

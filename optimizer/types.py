@@ -221,6 +221,8 @@ class TrialStatus(enum.StrEnum):
     the schedule; never scored, retried. ``rejected``: an invalid combination caught before any
     engine started. ``cancelled``: stopped by a cancel; not a result, never told to the sampler.
     ``duplicate``: a configuration the study had already measured; no engine started.
+    ``raced_out``: a capacity trial that lost the race at the study's incumbent and failed one
+    step below it too: only an upper bound of its capacity is known; told as pruned.
     """
 
     COMPLETE = "complete"
@@ -230,6 +232,7 @@ class TrialStatus(enum.StrEnum):
     REJECTED = "rejected"
     CANCELLED = "cancelled"
     DUPLICATE = "duplicate"
+    RACED_OUT = "raced_out"
 
 
 @dataclass(frozen=True, slots=True)

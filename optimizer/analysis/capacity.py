@@ -34,8 +34,10 @@ class TrialCapacity:
         number: Trial number.
         rps: Requests/s within the SLOs.
         output_tps: Output tokens/s within the SLOs.
-        scale: The rate scale of the trace that carried.
-        bracket: ``x[lo, hi]``.
+        scale: The rate scale of the trace that carried (the estimate).
+        bracket: ``x[lo, hi]``, the scales measured on either side.
+        answer: The capacity in words: estimate, its range, the bracket in req/s
+            (:meth:`CapacityView.rps_text`).
         bracket_width: ``hi / lo - 1`` (NaN when open).
         repeat_spread: Largest spread among a repeated step's margins.
         gpus_per_server: GPUs one server takes (0 on the CPU build).
@@ -48,6 +50,7 @@ class TrialCapacity:
     output_tps: float
     scale: float
     bracket: str
+    answer: str
     bracket_width: float
     repeat_spread: float
     gpus_per_server: int
@@ -67,8 +70,9 @@ class TrialCapacity:
             number=view.number,
             rps=cap.rps,
             output_tps=cap.output_tps,
-            scale=cap.scale,
+            scale=cap.estimate_scale,
             bracket=cap.bracket_text(),
+            answer=cap.rps_text(),
             bracket_width=cap.bracket_width,
             repeat_spread=cap.repeat_spread,
             gpus_per_server=view.gpus(cpu_build=cpu_build),
@@ -140,7 +144,7 @@ class CapacityAnswer:
         mine = next((c for c in self.trials if c.number == number), None)
         if mine is None:
             return ""
-        text = f"{mine.rps:,.3g} req/s ({mine.output_tps:,.4g} output tok/s) of the trace's mix"
+        text = f"{mine.answer} ({mine.output_tps:,.4g} output tok/s) of the trace's mix"
         text += f" within the SLOs during the study (trace rate {mine.bracket})"
         b = self.baseline
         if b is not None and b.number != number:
@@ -190,7 +194,7 @@ def _cap(c: TrialCapacity) -> str:
     width = "" if math.isnan(c.bracket_width) else f", ±{c.bracket_width:.0%} bracket"
     spread = f", repeat spread {c.repeat_spread:.0%}" if c.repeat_spread > 0 else ""
     return (
-        f"{c.rps:,.3g} req/s, {c.output_tps:,.4g} output tok/s within the SLOs "
+        f"{c.answer}, {c.output_tps:,.4g} output tok/s within the SLOs "
         f"(trace rate {c.bracket}{width}{spread}; {c.steps} steps)"
     )
 
@@ -275,7 +279,12 @@ def capacity_answer(
 ) -> CapacityAnswer | None:
     """The study's capacity answer; None for a study without capacity trials."""
     views = [TrialView(t) for t in study.get_trials(deepcopy=False)]
-    measured = [(v, v.capacity) for v in views if v.measured and v.capacity is not None]
+    # Raced-out trials too: their line says the upper bound they were raced out below.
+    measured = [
+        (v, v.capacity)
+        for v in views
+        if (v.measured or v.status == "raced_out") and v.capacity is not None
+    ]
     if not measured:
         return None
     caps = tuple(TrialCapacity.of(v, c, cpu_build) for v, c in measured if c is not None)
@@ -301,7 +310,7 @@ def capacity_answer(
     nobody = all(c.rps <= 0 for c in caps)
     for v, view in measured:
         # Explained: the baseline when it carried nothing; every trial when none did.
-        if view is not None and view.rps <= 0 and (v.is_baseline or nobody):
+        if view is not None and view.rps <= 0 and not view.raced_out and (v.is_baseline or nobody):
             unmet += explain_unmet(v, view)
     return CapacityAnswer(
         baseline=baseline,

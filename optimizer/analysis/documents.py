@@ -36,14 +36,15 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
     lines += [f"- {line}" for line in answer.lines()]
     lines += [
         "",
-        "| trial | capacity req/s | output tok/s | rate scale | bracket | steps | broke first |",
-        "|---|---|---|---|---|---|---|",
+        "| trial | capacity req/s | how measured | output tok/s | rate scale | bracket | steps "
+        "| broke first |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in answer.trials:
         label = f"{c.number} (baseline)" if answer.baseline and c is answer.baseline else c.number
         lines.append(
-            f"| {label} | {c.rps:.3g} | {c.output_tps:.4g} | {c.scale:.3g} | {c.bracket} | "
-            f"{c.steps} | {c.broke_first or '-'} |"
+            f"| {label} | {c.rps:.3g} | {c.answer} | {c.output_tps:.4g} | {c.scale:.3g} | "
+            f"{c.bracket} | {c.steps} | {c.broke_first or '-'} |"
         )
     return lines
 

@@ -45,6 +45,7 @@ __all__ = [
     "StepRunner",
     "early_stop_check",
     "measured_records",
+    "offered_rps",
     "slo_floors",
 ]
 
@@ -215,7 +216,7 @@ class StepRunner:
                 "step": step,
                 "attempt": attempt,
                 "seed": self._seed(step),
-                "offered_rps": _offered_rps(self.trace, scale, self.warmup_requests),
+                "offered_rps": offered_rps(self.trace, scale, self.warmup_requests),
                 "replay_s": round(result.duration_s, 3),
                 "partial": stopped,
             },
@@ -290,7 +291,7 @@ def _margin(slo: Slo, summary: dict[str, float]) -> float:
         return math.inf
 
 
-def _offered_rps(trace: Trace, scale: float, warmup: int) -> float:
+def offered_rps(trace: Trace, scale: float, warmup: int) -> float:
     """Requests/s the step offered over its measured window (the trace's mean rate x scale)."""
     reqs = trace.requests[warmup:] if len(trace) > warmup + 1 else trace.requests
     if len(reqs) < 2:

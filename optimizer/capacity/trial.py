@@ -7,10 +7,15 @@ the runner can move it into a clean client process (see ``run_trial``'s ``isolat
 The trial's summary (what objectives and the sampler read) is the full summary of the highest
 passing step, plus:
 
-- ``capacity_scale``: that step's rate scale (0 when no scale tried passed);
-- ``capacity_rps``: the request rate of this traffic mix it carried within the SLOs (the
-  trace's mean measured-window arrival rate x the scale);
-- ``capacity_output_tps``: the same in output tokens/s (x the trace's mean output length);
+- ``capacity_scale``: the estimated capacity as a rate scale: inside the final bracket, where
+  the deciding SLO's margin crosses zero (:func:`optimizer.capacity.search.estimate_capacity`;
+  0 when no scale tried passed);
+- ``capacity_rps``: the request rate of this traffic mix it carries within the SLOs at that
+  scale (the trace's mean measured-window arrival rate x the scale): what the sampler is told;
+- ``capacity_rps_lo`` / ``capacity_rps_hi``: the bracket the search measured (highest passing
+  and lowest failing step; ``capacity_rps_hi`` NaN when no step above failed);
+- ``capacity_output_tps``: ``capacity_rps`` in output tokens/s (x the trace's mean output
+  length);
 - ``nominal_p95_ttft_ms`` / ``nominal_p95_tpot_ms``: P95s of the first step, at the nominal
   scale (``start_scale``); NaN when that step was stopped early (a partial window is never
   told as a full one).
@@ -35,10 +40,16 @@ from objectives.presets import FAILED_CONSTRAINT
 from optimizer.capacity.measure import (
     ClientCouldNotKeepUp,
     StepRunner,
+    offered_rps,
     slo_floors,
     step_doc,
 )
-from optimizer.capacity.search import CapacityResult, StepOutcome, search_capacity
+from optimizer.capacity.search import (
+    CapacityEstimate,
+    CapacityResult,
+    StepOutcome,
+    search_capacity,
+)
 from optimizer.engine.logs import parse_prometheus
 from optimizer.types import RequestRecord, Trace, TrialSpec
 from optimizer.workload.prompts import TokenRange
@@ -50,6 +61,8 @@ CAPACITY_KEYS = (
     "capacity_scale",
     "capacity_rps",
     "capacity_output_tps",
+    "capacity_rps_lo",
+    "capacity_rps_hi",
     "nominal_p95_ttft_ms",
     "nominal_p95_tpot_ms",
 )
@@ -150,15 +163,43 @@ def assemble(spec: TrialSpec, search: CapacityResult, runner: StepRunner) -> Cap
     """The trial's summary, records and stored document from a finished search."""
     best = search.best_step()
     shown = best if best is not None else search.lowest_step()
+    step_no = int(shown.detail.get("step", -1)) if shown is not None else -1
+    records = tuple(runner.records.get(step_no, ()))
+    summary = capacity_summary(spec, search)
+    floors: dict[str, float] = {}
+    lowest = search.lowest_step()
+    if best is None and lowest is not None:
+        low_no = int(lowest.detail.get("step", -1))
+        floors = slo_floors(spec.trace, runner.records.get(low_no, ()))
+    doc = capacity_doc(search, spec, isolation=runner.describe_isolation(), floors=floors)
+    return CapacityOutcome(
+        search=search,
+        summary=summary,
+        records=records,
+        doc=doc,
+        message=_message(search, summary),
+    )
+
+
+def capacity_summary(spec: TrialSpec, search: CapacityResult) -> dict[str, float]:
+    """The trial's summary (see the module docstring) from a finished search."""
+    best = search.best_step()
+    shown = best if best is not None else search.lowest_step()
     summary: dict[str, float] = dict(shown.summary) if shown is not None else {}
     if shown is not None and shown.stopped_early:
         summary["partial"] = 1.0  # no scale passed and the lowest was cut short
-    step_no = int(shown.detail.get("step", -1)) if shown is not None else -1
-    records = tuple(runner.records.get(step_no, ()))
-    rps = _offered(best)
-    summary["capacity_scale"] = search.scale
-    summary["capacity_rps"] = rps
-    summary["capacity_output_tps"] = rps * _mean_output_tokens(spec.trace, spec.warmup_requests)
+    per_scale = _rps_per_scale(spec, search)
+    estimate = search.estimate.scale if search.estimate is not None else search.scale
+    summary["capacity_scale"] = estimate
+    summary["capacity_rps"] = estimate * per_scale
+    summary["capacity_rps_lo"] = search.lo * per_scale
+    summary["capacity_rps_hi"] = search.hi * per_scale if math.isfinite(search.hi) else math.nan
+    summary["capacity_output_tps"] = summary["capacity_rps"] * _mean_output_tokens(
+        spec.trace, spec.warmup_requests
+    )
+    if search.raced_out:  # no capacity measured, only an upper bound (capacity_rps_hi)
+        for key in ("capacity_scale", "capacity_rps", "capacity_output_tps"):
+            summary[key] = math.nan
     first = search.steps[0] if search.steps else None
     for key, metric in (
         ("nominal_p95_ttft_ms", "p95_ttft_ms"),
@@ -168,33 +209,33 @@ def assemble(spec: TrialSpec, search: CapacityResult, runner: StepRunner) -> Cap
         if first is not None and not first.stopped_early:
             value = float(first.summary.get(metric, math.nan))
         summary[key] = value
-    floors: dict[str, float] = {}
+    return summary
+
+
+def _message(search: CapacityResult, summary: Mapping[str, float]) -> str:
+    """The trial's paragraph: the estimate with its bracket, or why there is none."""
     lowest = search.lowest_step()
-    if best is None and lowest is not None:
-        low_no = int(lowest.detail.get("step", -1))
-        floors = slo_floors(spec.trace, runner.records.get(low_no, ()))
-    doc = capacity_doc(search, spec, isolation=runner.describe_isolation(), floors=floors)
-    if best is None:
-        message = (
-            f"no rate scale tried met the SLOs (lowest x{search.lowest_step().scale:g}: "  # type: ignore[union-attr]
-            f"{search.lowest_step().reason})"  # type: ignore[union-attr]
-        )
-    else:
-        fail = search.first_failure()
-        broke = f"; at x{fail.scale:g} {fail.reason}" if fail is not None else ""
-        message = (
-            f"capacity {rps:.3g} req/s (rate x{search.scale:.3g}, bracket "
-            f"[{search.lo:.3g}, {search.hi:.3g}], {len(search.steps)} steps){broke}"
-        )
-    return CapacityOutcome(
-        search=search, summary=summary, records=records, doc=doc, message=message
+    if search.raced_out:
+        return f"{search.stop} (capacity below {summary['capacity_rps_hi']:.3g} req/s)"
+    if search.best_step() is None:
+        where = f"x{lowest.scale:g}: {lowest.reason}" if lowest is not None else "no step"
+        return f"no rate scale tried met the SLOs (lowest {where})"
+    fail = search.first_failure()
+    broke = f"; at x{fail.scale:g} {fail.reason}" if fail is not None else ""
+    raced = "; raced out at the incumbent" if search.raced else ""
+    return (
+        f"capacity {summary['capacity_rps']:.3g} req/s (rate x{summary['capacity_scale']:.3g}, "
+        f"bracket x[{search.lo:.3g}, {search.hi:.3g}], {len(search.steps)} steps{raced}){broke}"
     )
 
 
-def _offered(step: StepOutcome | None) -> float:
-    if step is None:
-        return 0.0
-    return float(step.detail.get("offered_rps", 0.0))
+def _rps_per_scale(spec: TrialSpec, search: CapacityResult) -> float:
+    """Requests/s of the trace's measured window at rate scale 1: what the steps offered per
+    unit of scale (the trace's own rate when no step recorded it)."""
+    for step in search.steps:
+        if step.scale > 0 and "offered_rps" in step.detail:
+            return float(step.detail["offered_rps"]) / step.scale
+    return offered_rps(spec.trace, 1.0, spec.warmup_requests)
 
 
 def capacity_doc(
@@ -204,19 +245,39 @@ def capacity_doc(
     isolation: str,
     floors: Mapping[str, float],
 ) -> dict[str, Any]:
-    """The capacity search as stored with a trial (Optuna user attribute ``capacity``)."""
-    best = search.best_step()
+    """The capacity search as stored with a trial (Optuna user attribute ``capacity``).
+
+    ``rps`` and ``output_tps`` are the answer (the estimate, what the sampler is told);
+    ``scale``, ``lo`` and ``hi`` the bracket in rate scales (``scale`` the highest passing),
+    ``rps_lo`` / ``rps_hi`` the same in requests/s; ``estimate`` the point estimate with its
+    range and method.
+    """
     fail = search.first_failure()
     settings = spec.capacity
-    rps = _offered(best)
 
     def finite(v: float) -> float | None:
         return v if math.isfinite(v) else None
 
+    per_scale = _rps_per_scale(spec, search)
+    est = search.estimate or CapacityEstimate(search.scale, search.lo, search.hi, "bracket")
     return {
         "scale": search.scale,
-        "rps": rps,
-        "output_tps": rps * _mean_output_tokens(spec.trace, spec.warmup_requests),
+        "rps": est.scale * per_scale,
+        "output_tps": est.scale * per_scale * _mean_output_tokens(spec.trace, spec.warmup_requests),
+        "rps_lo": search.lo * per_scale,
+        "rps_hi": finite(search.hi * per_scale),
+        "estimate": {
+            "scale": est.scale,
+            "lo": est.lo,
+            "hi": finite(est.hi),
+            "method": est.method,
+            "uncertainty": finite(est.uncertainty),
+            "rps_lo": est.lo * per_scale,
+            "rps_hi": finite(est.hi * per_scale),
+        },
+        "raced": search.raced,
+        "raced_out": search.raced_out,
+        "race_scale": search.race_scale,
         "lo": search.lo,
         "hi": finite(search.hi),
         "converged": search.converged,

@@ -15,7 +15,12 @@ from objectives import FAILED_CONSTRAINT
 from optimizer import cli
 from optimizer.analysis.capacity import answer_for_plan, capacity_answer
 from optimizer.capacity.search import StepOutcome, search_capacity
-from optimizer.capacity.trial import CAPACITY_KEYS, capacity_constraints, capacity_doc
+from optimizer.capacity.trial import (
+    CAPACITY_KEYS,
+    capacity_constraints,
+    capacity_doc,
+    capacity_summary,
+)
 from optimizer.config import load_job
 from optimizer.study import StudyDriver, prepare
 from optimizer.trial_view import TrialView
@@ -46,15 +51,7 @@ def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
 
     search = search_capacity(measure, spec.capacity)
     best = search.best_step()
-    rps = float(best.detail["offered_rps"]) if best else 0.0
-    summary = dict((best or search.lowest_step()).summary)  # type: ignore[union-attr]
-    summary.update(
-        capacity_scale=search.scale,
-        capacity_rps=rps,
-        capacity_output_tps=rps * 40.0,
-        nominal_p95_ttft_ms=math.nan,
-        nominal_p95_tpot_ms=math.nan,
-    )
+    summary = capacity_summary(spec, search)  # the real assembly of the trial's summary
     floors = (
         {}
         if best
@@ -277,3 +274,48 @@ def test_export_picks_the_highest_capacity_by_default(tmp_path: Path) -> None:
     assert ex.primary_metrics("max-capacity", ["capacity_rps"]) == ["capacity_rps"]
     with pytest.raises(Exception, match="no objective 'output_throughput'"):
         ex.select_trial(study, "max-throughput")
+
+
+def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Path) -> None:
+    """Baseline 0.8, then 32 (2.1), 16 (serves nothing), 64 (1.3): x the fake's 2 req/s."""
+    runner = FakeCapacityRunner()
+    capacity = {**_job(tmp_path)["capacity"], "racing": True}
+    _plan, study = _run(tmp_path, runner, capacity=capacity)
+    trials = study.get_trials()
+    races = [s.capacity.race_at if s.capacity else None for s in runner.specs]
+    # The baseline searches from start_scale; each tuned trial races at the best so far.
+    assert races[0] is None
+    assert races[1] == pytest.approx(0.8, rel=0.06)
+    assert races[2] == pytest.approx(2.1, rel=0.06) and races[3] == races[2]
+    # 32 beat the baseline: searched up from the race step, measured in full.
+    assert trials[1].state.name == "COMPLETE" and trials[1].values[0] == pytest.approx(
+        4.2, rel=0.06
+    )
+    # 16 serves nothing: failed at the incumbent and one step below; no capacity measured,
+    # so it is pruned with the upper bound as its intermediate value (which Optuna keeps as a
+    # pruned trial's value), never told as a measured capacity.
+    assert trials[2].state.name == "PRUNED" and TrialView(trials[2]).status == "raced_out"
+    assert trials[2].intermediate_values == {0: pytest.approx(2 * 2.1 / 2, rel=0.06)}
+    assert trials[2].user_attrs["summary"]["capacity_rps"] is None  # NaN: stored as null
+    assert len(trials[2].user_attrs["capacity"]["steps"]) == 2
+    # 64 lost the race but passed one step below: a bounded capacity, told with its estimate.
+    doc = trials[3].user_attrs["capacity"]
+    assert trials[3].state.name == "COMPLETE" and doc["raced"] and not doc["raced_out"]
+    assert len(doc["steps"]) == 2
+    assert trials[3].values[0] == pytest.approx(2.6, rel=0.06)
+    assert doc["rps_lo"] <= trials[3].values[0] <= doc["rps_hi"]
+    # The best is still the one that won its race.
+    assert [t.number for t in study.best_trials] == [1]
+    # The reader's side: the answer names the raced-out trial's bound and the estimate's range.
+    answer = capacity_answer(study, cpu_build=True)
+    assert answer is not None
+    texts = {c.number: c.answer for c in answer.trials}
+    assert texts[2].startswith("below 2.1 req/s (raced out")
+    assert "interpolated" in texts[3] and "raced out at the incumbent" in texts[3]
+    assert "measured bracket 2.1-4.2" in texts[3]
+
+
+def test_without_racing_no_trial_races(tmp_path: Path) -> None:
+    runner = FakeCapacityRunner()
+    _run(tmp_path, runner)
+    assert all(s.capacity is not None and s.capacity.race_at is None for s in runner.specs)
