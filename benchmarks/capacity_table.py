@@ -1,0 +1,146 @@
+"""The ground-truth table of the search-efficiency benchmark, from capacity studies' folders.
+
+Every trial of the given study folders (a grid study and its repeats, made with
+``benchmarks/data/cpu-capacity-grid.yaml``) becomes one measurement of its configuration: the
+steps of its capacity search (scale, verdict, stopped early, deciding margin, replay seconds),
+its server's start, its wall time, and its capacity estimated from the steps with the
+project's own :func:`optimizer.capacity.search.estimate_capacity` (so folders written before
+the estimate existed read the same as later ones). Measurements of one configuration across
+folders are its repeats: their spread is the table's noise.
+
+Usage:
+    python -m benchmarks.capacity_table runs/capacity-grid/r1 runs/capacity-grid/r2 \
+        --out benchmarks/data/capacity_table_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from optuna.trial import TrialState
+
+from optimizer.capacity.search import StepOutcome, estimate_capacity
+from optimizer.cli_support import load_study_dir
+from optimizer.trial_view import TrialView
+
+# Engine arguments every trial of a study shares (the job's), left out of a configuration's key.
+_COMMON = ("enforce-eager", "load-format", "max-model-len", "block-size")
+
+
+def config_key(args: dict[str, Any]) -> str:
+    """A configuration's identity in the table: its engine arguments minus the job's own."""
+    return json.dumps({k: v for k, v in sorted(args.items()) if k not in _COMMON}, sort_keys=True)
+
+
+def _steps(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for step in doc.get("steps") or []:
+        margins = [m for m in (step.get("margins") or {}).values()]
+        deciding = math.inf if not margins or None in margins else max(margins)
+        out.append(
+            {
+                "scale": float(step["scale"]),
+                "passed": bool(step["passed"]),
+                "stopped_early": bool(step.get("stopped_early")),
+                "margin": deciding if math.isfinite(deciding) else None,
+                "replay_s": float(step.get("replay_s") or 0.0),
+            }
+        )
+    return out
+
+
+def measurement(trial: Any, noise: float) -> dict[str, Any] | None:
+    """One trial as a measurement of its configuration (None: nothing was measured)."""
+    view = TrialView(trial)
+    doc = trial.user_attrs.get("capacity")
+    if trial.state != TrialState.COMPLETE or not isinstance(doc, dict) or view.status != "complete":
+        return None
+    steps = _steps(doc)
+    outcomes = [
+        StepOutcome(
+            s["scale"],
+            {"deciding": s["margin"] if s["margin"] is not None else math.inf},
+            stopped_early=s["stopped_early"],
+        )
+        for s in steps
+    ]
+    lo = float(doc.get("lo") or 0.0)
+    hi = float(doc["hi"]) if doc.get("hi") is not None else math.inf
+    est = estimate_capacity(outcomes, lo, hi, noise)
+    first = next((s for s in doc.get("steps") or [] if s.get("offered_rps")), None)
+    per_scale = float(first["offered_rps"]) / float(first["scale"]) if first else math.nan
+    wall = (trial.datetime_complete - trial.datetime_start).total_seconds()
+    return {
+        "trial": trial.number,
+        "baseline": view.is_baseline,
+        "capacity_scale": est.scale,
+        "capacity_rps": est.scale * per_scale,
+        "lo": lo,
+        "hi": hi if math.isfinite(hi) else None,
+        "method": est.method,
+        "rps_per_scale": per_scale,
+        "startup_s": float(trial.user_attrs.get("startup_s") or 0.0),
+        "wall_s": wall,
+        "attempts": int(trial.user_attrs.get("attempts") or 1),
+        "steps": steps,
+    }
+
+
+def build(folders: list[Path], noise: float) -> dict[str, Any]:
+    """The table: every configuration with its measurements, and how it was made."""
+    configs: dict[str, dict[str, Any]] = {}
+    made: list[dict[str, Any]] = []
+    for folder in folders:
+        saved, study = load_study_dir(folder)
+        made.append(
+            {
+                "folder": folder.name,
+                "study": saved.get("study"),
+                "vllm": saved.get("vllm"),
+                "hardware": saved.get("hardware"),
+                "started_at": saved.get("started_at"),
+                "trials": len(study.trials),
+            }
+        )
+        for trial in study.get_trials(deepcopy=False):
+            m = measurement(trial, noise)
+            if m is None:
+                continue
+            args = json.loads(trial.user_attrs["engine_args"])
+            params = json.loads(config_key(args))
+            entry = configs.setdefault(
+                config_key(args), {"args": args, "params": params, "measurements": []}
+            )
+            entry["measurements"].append({"folder": folder.name, **m})
+    for entry in configs.values():
+        caps = [m["capacity_rps"] for m in entry["measurements"]]
+        entry["mean_rps"] = statistics.fmean(caps)
+        entry["spread_rps"] = (max(caps) - min(caps)) if len(caps) > 1 else None
+    return {"made_with": made, "noise": noise, "configs": configs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--noise", type=float, default=0.05, help="margin noise for the estimate")
+    ns = ap.parse_args(argv)
+    table = build(ns.folders, ns.noise)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    counts = [len(c["measurements"]) for c in table["configs"].values()]
+    print(
+        f"{len(counts)} configurations, {sum(counts)} measurements "
+        f"(repeats: min {min(counts, default=0)}, max {max(counts, default=0)}) -> {ns.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

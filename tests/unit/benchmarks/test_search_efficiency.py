@@ -1,0 +1,164 @@
+"""The search-efficiency benchmark's machinery on a SYNTHETIC table (made up here: it tests the
+code, it is never a result; the benchmark's results come from the measured table)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from benchmarks.search_efficiency import (
+    STRATEGIES,
+    OfflineStudy,
+    TableServer,
+    load_table,
+    run_all,
+    run_one_at_a_time,
+    summarize_runs,
+)
+from optimizer.types import CapacitySettings
+
+GRID = {
+    "max-num-seqs": [4, 16, 64],
+    "max-num-batched-tokens": [256, 2048],
+    "enable-prefix-caching": [True, False],
+}
+SETTINGS = CapacitySettings(start_scale=0.5, min_scale=0.0625, max_scale=8, tolerance=0.1)
+
+
+def _steps(capacity: float) -> list[dict]:
+    """A recorded search of a fake server whose margin is scale / capacity - 1."""
+    out = []
+    for scale in (0.5, 0.25, 0.35, 0.3, 1.0):
+        margin = scale / capacity - 1 if capacity > 0 else 1.0
+        early = margin > 1.0
+        out.append(
+            {
+                "scale": scale,
+                "passed": margin <= 0,
+                "stopped_early": early,
+                "margin": None if early else margin,
+                "replay_s": (5.0 if early else 10.0) / scale,
+            }
+        )
+    return out
+
+
+def synthetic_table(missing: int = 0) -> dict:
+    """Capacity grows with max-num-seqs and a small batch budget; two repeats each (SYNTHETIC)."""
+    configs = {}
+    points = list(itertools.product(*GRID.values()))[missing:]
+    for seqs, budget, prefix in points:
+        cap = 0.1 * math.log2(seqs) * (1.3 if budget == 256 else 1.0) * (1.05 if prefix else 1)
+        params = {
+            "enable-prefix-caching": prefix,
+            "max-num-batched-tokens": budget,
+            "max-num-seqs": seqs,
+        }
+        configs[json.dumps(params, sort_keys=True)] = _entry(params, cap, baseline=False)
+    configs["base"] = _entry({"max-num-seqs": 128}, 0.25, baseline=True)
+    return {"configs": configs}
+
+
+def _entry(params: dict, cap: float, baseline: bool) -> dict:
+    ms = []
+    for jitter in (0.97, 1.03):
+        steps = _steps(cap * jitter)
+        ms.append(
+            {
+                "baseline": baseline,
+                "capacity_scale": cap * jitter,
+                "capacity_rps": cap * jitter * 6.0,
+                "rps_per_scale": 6.0,
+                "startup_s": 30.0,
+                "wall_s": 30.0 + sum(s["replay_s"] for s in steps) + 12.0,
+                "steps": steps,
+            }
+        )
+    return {"args": params, "params": params, "measurements": ms}
+
+
+def test_the_table_loads_and_refuses_missing_points() -> None:
+    table = load_table(synthetic_table())
+    assert table.grid == {**GRID, "enable-prefix-caching": [False, True]}
+    assert len(table.configs) == 13 and table.baseline == "baseline"
+    assert table.best == pytest.approx(0.6 * 1.3 * 1.05 * 6.0)
+    assert table.step_overhead_s == pytest.approx(2.0)  # 12 s over 5 steps + 1
+    with pytest.raises(SystemExit, match="lacks 2 grid point"):
+        load_table(synthetic_table(missing=2))
+    assert len(load_table(synthetic_table(missing=2), partial=True).configs) == 11
+
+
+def test_the_table_answers_a_step_from_the_drawn_measurement() -> None:
+    table = load_table(synthetic_table())
+    m = table.configs[table.baseline][0]  # capacity 0.2425
+    server = TableServer(m)
+    assert not server(0.3, 0).passed and server(0.2, 0).passed
+    assert server(0.3, 0).deciding_margin == pytest.approx(0.3 / m.capacity_scale - 1, rel=1e-6)
+    before = server.seconds
+    server(0.25, 0)
+    assert server.seconds - before == pytest.approx(10.0 / 0.25)  # recorded: 10 s at scale 1
+    far = server(4.0, 0)
+    assert far.stopped_early  # recorded early stops above x1.0
+    assert server.seconds - before == pytest.approx(40.0 + 5.0 / 4.0)
+
+
+def test_racing_charges_a_losing_trial_less_than_the_full_search() -> None:
+    table = load_table(synthetic_table())
+    key = table.key(
+        {"max-num-seqs": 4, "max-num-batched-tokens": 2048, "enable-prefix-caching": False}
+    )
+    costs = {}
+    for racing in (False, True):
+        study = OfflineStudy(table, SETTINGS, racing=racing, rng=random.Random(0))
+        study.measure(
+            table.key(
+                {"max-num-seqs": 64, "max-num-batched-tokens": 256, "enable-prefix-caching": True}
+            )
+        )
+        before = study.seconds
+        _told, raced = study.measure(key)
+        costs[racing] = study.seconds - before
+        assert raced is racing
+    assert costs[True] < costs[False] / 2
+
+
+def test_every_strategy_runs_within_the_budget_and_the_summary_reads_it() -> None:
+    table = load_table(synthetic_table())
+    budget = table.full_grid_s() / 2
+    runs = run_all(table, SETTINGS, list(STRATEGIES), seeds=2, budget_s=budget)
+    for name, rs in runs.items():
+        for run in rs:
+            times = [t for t, _ in run.curve]
+            assert times == sorted(times) and run.trials >= 2, name
+            # It stops launching once the budget is spent: one trial may end past it.
+            assert times[-2] < budget if len(times) > 1 else True
+    rows = {r["strategy"]: r for r in summarize_runs(table, runs, table.full_grid_s())}
+    assert set(rows) == set(STRATEGIES)
+    assert all(0 <= r["gap_half"] <= 1 for r in rows.values())
+
+
+def test_one_at_a_time_follows_the_guides_order_from_the_defaults() -> None:
+    table = load_table(synthetic_table())
+    run = run_one_at_a_time(table, SETTINGS, seed=0, budget_s=math.inf)
+    # Baseline, the grid point nearest the defaults, then 2 + 1 + 1 single changes.
+    assert run.trials == 1 + 1 + 2 + 1 + 1
+
+
+def test_the_command_prints_its_table_and_draws_the_curves(tmp_path, capsys) -> None:
+    from benchmarks.search_efficiency import main
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(synthetic_table()))
+    png, rows = tmp_path / "curves.png", tmp_path / "rows.json"
+    job = str(Path(__file__).resolve().parents[3] / "benchmarks/data/cpu-capacity-grid.yaml")
+    args = [str(table), "--seeds", "2", "--png", str(png), "--json", str(rows), "--job", job]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "tpe-racing" in out and "one-at-a-time" in out and "h to 95%" in out
+    assert png.stat().st_size > 10_000
+    assert {r["strategy"] for r in json.loads(rows.read_text())} == set(STRATEGIES)
