@@ -19,11 +19,14 @@ was stopped early (its SLOs out of reach) is a certain fail and is never repeate
 **Racing at the incumbent** (``race_at`` set: the study's best capacity so far): the first
 step is at the incumbent's scale (times ``1 + race_margin``). A configuration that passes there
 may beat the incumbent: the search goes up by ``race_growth`` until a step fails, then bisects
-as usual. One that fails cannot win: the search stops after at most one more step, at that
-scale divided by ``growth``, which bounds it from below when it passes (the trial's capacity
-lies in that bracket, estimated as below) and, when it fails too, leaves only an upper bound
-(``raced_out``: the study tells such a trial to the sampler as pruned, never as a measured
-capacity). A losing trial costs two steps instead of a whole search.
+as usual. One that fails cannot win: the search stops after at most one more step. A step
+stopped early (far over an SLO) stops it at once. A near miss, whose margin ``m`` at the race
+scale ``S`` was measured in full, gets one step at ``0.9 * S / (1 + m)`` (where a margin linear
+in the load would cross zero, a little below; never below ``S / growth``), which bounds it
+from below when it passes (the trial's capacity lies in that bracket, estimated as below).
+Otherwise only an upper bound is known (``raced_out``: the study tells such a trial to the
+sampler as pruned, never as a measured capacity). A losing trial costs one or two steps
+instead of a whole search.
 
 **The estimate** (:func:`estimate_capacity`): within the final bracket, the deciding margin
 (the largest SLO margin) of every fully measured step, made non-decreasing in the scale
@@ -192,6 +195,10 @@ Measure = Callable[[float, int], StepOutcome]
 """``measure(scale, attempt)``: replay one step; ``attempt`` counts repeats of that scale."""
 
 
+_BOUND_BELOW_GUESS = 0.9
+"""A lost race's bounding step: this fraction of the scale its margin points to."""
+
+
 class _Search:
     def __init__(self, measure: Measure, settings: CapacitySettings) -> None:
         self.measure = measure
@@ -271,9 +278,14 @@ class _Search:
             return lo, hi, stop, False
         if race <= s.min_scale:
             return 0.0, race, f"failed at the lowest scale tried (x{s.min_scale:g})", False
-        below = max(race / s.growth, s.min_scale)
-        if self.left <= 0:
+        lost = self.steps[-1]
+        margin = lost.deciding_margin if not lost.stopped_early else math.inf
+        if not math.isfinite(margin) or margin <= 0 or self.left <= 0:
+            # Stopped early (far over an SLO) or no step left: nothing to bound it with.
             return 0.0, race, f"raced out: failed at the incumbent's x{race:.3g}", True
+        # Where a margin linear in the load would cross zero, a little below it, but never
+        # more than one growth factor down: a near miss is bounded by a step near the race.
+        below = max(race / (1 + margin) * _BOUND_BELOW_GUESS, race / s.growth, s.min_scale)
         if self.verdict(below):
             return (
                 below,

@@ -291,13 +291,13 @@ def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Pat
     assert trials[1].state.name == "COMPLETE" and trials[1].values[0] == pytest.approx(
         4.2, rel=0.06
     )
-    # 16 serves nothing: failed at the incumbent and one step below; no capacity measured,
-    # so it is pruned with the upper bound as its intermediate value (which Optuna keeps as a
-    # pruned trial's value), never told as a measured capacity.
+    # 16 serves nothing: its race step was stopped early; no capacity measured, so it is
+    # pruned with the upper bound (the race step's rate) as its intermediate value (which
+    # Optuna keeps as a pruned trial's value), never told as a measured capacity.
     assert trials[2].state.name == "PRUNED" and TrialView(trials[2]).status == "raced_out"
-    assert trials[2].intermediate_values == {0: pytest.approx(2 * 2.1 / 2, rel=0.06)}
+    assert trials[2].intermediate_values == {0: pytest.approx(2 * 2.1, rel=0.06)}
     assert trials[2].user_attrs["summary"]["capacity_rps"] is None  # NaN: stored as null
-    assert len(trials[2].user_attrs["capacity"]["steps"]) == 2
+    assert len(trials[2].user_attrs["capacity"]["steps"]) == 1
     # 64 lost the race but passed one step below: a bounded capacity, told with its estimate.
     doc = trials[3].user_attrs["capacity"]
     assert trials[3].state.name == "COMPLETE" and doc["raced"] and not doc["raced_out"]
@@ -310,9 +310,10 @@ def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Pat
     answer = capacity_answer(study, cpu_build=True)
     assert answer is not None
     texts = {c.number: c.answer for c in answer.trials}
-    assert texts[2].startswith("below 2.1 req/s (raced out")
+    assert texts[2].startswith("below 4.2 req/s (raced out")
     assert "interpolated" in texts[3] and "raced out at the incumbent" in texts[3]
-    assert "measured bracket 2.1-4.2" in texts[3]
+    # Its bounding step sat at 0.9 x the scale the race step's margin pointed to (1.3).
+    assert "measured bracket 2.34-4.2" in texts[3]
 
 
 def test_without_racing_no_trial_races(tmp_path: Path) -> None:

@@ -108,8 +108,9 @@ def test_a_losing_configuration_stops_after_two_steps_bounded_from_below() -> No
     full = search_capacity(fake_server(capacity), settings)
     raced = search_capacity(fake_server(capacity), _race(settings, incumbent))
     assert raced.raced and not raced.raced_out
-    assert len(raced.steps) == 2 and [s.scale for s in raced.steps] == [1.0, 0.5]
-    assert (raced.lo, raced.hi) == (0.5, 1.0)
+    # The race step's margin (1 / 0.7 - 1) points at 0.7: the bounding step is at 0.9 x 0.7.
+    assert [s.scale for s in raced.steps] == pytest.approx([1.0, 0.63])
+    assert (raced.lo, raced.hi) == (pytest.approx(0.63), 1.0)
     assert "raced out" in raced.stop
     # The estimate from the two steps' margins, not the bracket's lower end.
     assert raced.estimate is not None and raced.estimate.method == "interpolated"
@@ -119,13 +120,26 @@ def test_a_losing_configuration_stops_after_two_steps_bounded_from_below() -> No
     assert len(full.steps) >= 3 * len(raced.steps), [s.scale for s in full.steps]
 
 
-def test_a_much_worse_configuration_is_raced_out_with_an_upper_bound_only() -> None:
+def test_a_much_worse_configuration_is_raced_out_after_one_step() -> None:
+    """Its race step was stopped early (far over the SLO): nothing to bound it with."""
     raced = search_capacity(
         fake_server(0.3), _race(CapacitySettings(min_scale=0.0625, noise=0.0), 1.0)
     )
-    assert raced.raced_out and raced.scale == 0.0 and raced.hi == 0.5
-    assert len(raced.steps) == 2
-    assert "below x0.5" in raced.stop
+    assert raced.raced_out and raced.scale == 0.0 and raced.hi == 1.0
+    assert len(raced.steps) == 1 and raced.steps[0].stopped_early
+
+
+def test_a_near_miss_that_fails_its_bounding_step_is_raced_out_below_it() -> None:
+    """A margin that grows slowly above capacity: the linear guess lands above it."""
+
+    def flat_above(scale: float, attempt: int) -> StepOutcome:
+        return StepOutcome(scale, {SLO: 0.05 * (scale / 0.5 - 1)})
+
+    raced = search_capacity(flat_above, _race(CapacitySettings(min_scale=0.0625, noise=0.0), 0.6))
+    assert raced.raced_out and len(raced.steps) == 2, raced.steps
+    below = raced.steps[1].scale
+    assert 0.6 / 2 <= below < 0.6 and raced.hi == below
+    assert f"below x{below:.3g}" in raced.stop
 
 
 def test_a_better_configuration_passes_the_race_and_is_searched_up_from_there() -> None:
