@@ -610,6 +610,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     console.print(
         f"study [bold]{job.name}[/] -> {plan.out}  ({plan.vllm}; storage {plan.storage_url})"
     )
+    for w in plan.warm_start:
+        console.print(
+            f"[dim]warm start: {escape(w.folder)} trial {w.trial} ({escape(w.measured)}) "
+            f"enqueued: {escape(json.dumps(w.args, sort_keys=True))}[/]"
+        )
+    for note in plan.notes:
+        console.print(f"[yellow]{escape(note)}[/]")
     for note in plan.trace_notes:
         console.print(f"[dim]{note}[/]")
     t0 = time.monotonic()

@@ -243,6 +243,19 @@ class SamplerSection(_Strict):
     n_startup_trials: int = Field(default=4, ge=0)
 
 
+class WarmStartSection(_Strict):
+    """Begin with the best configurations of earlier studies (:mod:`optimizer.warm_start`).
+
+    Attributes:
+        studies: Earlier study folders (relative to the job file): the same model, a
+            similar trace.
+        top: Best configurations taken from each.
+    """
+
+    studies: list[str] = Field(min_length=1)
+    top: int = Field(default=3, ge=1, le=20)
+
+
 class MlflowSection(_Strict):
     """MLflow review (default: a local SQLite-backed store in the output folder)."""
 
@@ -275,6 +288,7 @@ class JobConfig(_Strict):
         retries: How often a trial whose replay was invalid is re-run before giving up.
         enqueue: Configurations (engine arguments of the search space) to try right after the
             baseline, e.g. the one in production today.
+        warm_start: Earlier studies whose best configurations are enqueued after these.
         mlflow: MLflow settings.
         stability: The stability check as a stage (``after_study``) and its plan.
     """
@@ -297,6 +311,7 @@ class JobConfig(_Strict):
     ray_address: str | None = None
     retries: int = Field(default=2, ge=0)
     enqueue: list[dict[str, Any]] = Field(default_factory=list)
+    warm_start: WarmStartSection | None = None
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
     stability: StabilitySection = Field(default_factory=StabilitySection)
 

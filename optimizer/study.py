@@ -65,6 +65,7 @@ from optimizer.trial_view import (
     record_status,
 )
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
+from optimizer.warm_start import WarmStart, warm_start_configs
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
 
 __all__ = [
@@ -99,6 +100,9 @@ class StudyPlan:
         token_range: Ids prompts draw from.
         context: Facts parameter constraints are checked against.
         vllm: "dist version" of the vLLM the trials use.
+        warm_start: Configurations enqueued from earlier studies (:mod:`optimizer.warm_start`).
+        notes: What else preparing decided, one line each (a warm-start configuration
+            skipped, and why).
     """
 
     job: JobConfig
@@ -113,6 +117,8 @@ class StudyPlan:
     token_range: tuple[int, int]
     context: ConstraintContext
     vllm: str = ""
+    warm_start: tuple[WarmStart, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def trial_spec(
         self,
@@ -262,8 +268,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         job.objectives.slos,
     )
 
-    for args in job.enqueue:
-        space.enqueue_params(args)  # raises, naming the value, before anything starts
+    job, warm, warm_notes = _with_warm_start(job, base, space)
     install = installed_vllm(job.engine.python) if check_flags else None
     n_gpus, gpu_mem, gpu_name = gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
@@ -316,7 +321,26 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         token_range=token_range,
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
+        warm_start=tuple(warm),
+        notes=tuple(warm_notes),
     )
+
+
+def _with_warm_start(
+    job: JobConfig, base: Path, space: SearchSpace
+) -> tuple[JobConfig, list[WarmStart], list[str]]:
+    """The job with its warm-start configurations after its own ``enqueue:``, and notes on
+    those skipped; every enqueued configuration checked against the space (raises, naming
+    the value, before anything starts)."""
+    for args in job.enqueue:
+        space.enqueue_params(args)
+    if job.warm_start is None:
+        return job, [], []
+    warm, notes = warm_start_configs(job.warm_start.studies, base, job.warm_start.top, space)
+    own = {json.dumps(a, sort_keys=True, default=str) for a in job.enqueue}
+    warm = [w for w in warm if json.dumps(w.args, sort_keys=True, default=str) not in own]
+    job = job.model_copy(update={"enqueue": [*job.enqueue, *(w.args for w in warm)]})
+    return job, warm, notes
 
 
 def _portable_job(plan: StudyPlan) -> dict[str, Any]:
@@ -578,6 +602,13 @@ class StudyDriver:
         elif lost.params:
             self.study.enqueue_trial(lost.params, user_attrs={"retry_of": lost.number})
 
+    def _enqueue_attrs(self, args: dict[str, Any]) -> dict[str, Any]:
+        """An enqueued trial's attributes: where it came from when a warm start chose it."""
+        for w in self.plan.warm_start:
+            if w.args == args:
+                return {"enqueued": True, "warm_start_from": f"{w.folder} trial {w.trial}"}
+        return {"enqueued": True}
+
     def _enqueue_on_resume(self, trials: list[FrozenTrial]) -> None:
         """A resumed study runs the job's ``enqueue:`` configurations it does not hold yet.
 
@@ -610,7 +641,7 @@ class StudyDriver:
             )
             return
         for args, params in new:
-            self.study.enqueue_trial(params, user_attrs={"enqueued": True})
+            self.study.enqueue_trial(params, user_attrs=self._enqueue_attrs(args))
             number = self.study.get_trials(deepcopy=False)[-1].number
             self.on_event(
                 StudyEvent(
@@ -632,7 +663,7 @@ class StudyDriver:
             self.study.enqueue_trial({}, user_attrs={BASELINE_ATTR: True})
             for args in self.plan.job.enqueue:
                 self.study.enqueue_trial(
-                    self.plan.space.enqueue_params(args), user_attrs={"enqueued": True}
+                    self.plan.space.enqueue_params(args), user_attrs=self._enqueue_attrs(args)
                 )
         else:
             self._enqueue_on_resume(trials)
@@ -892,6 +923,7 @@ class StudyDriver:
                 self.plan.job.engine.python, cpu_build=self.plan.context.cpu_build
             ),
             "job": _portable_job(self.plan),
+            "warm_start": [w.to_dict() for w in self.plan.warm_start],
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

@@ -49,6 +49,40 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def warm_start_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
+    """Where the warm-start configurations came from and what they measured here."""
+    sources = plan.get("warm_start") or []
+    if not sources:
+        return []
+    lines = [
+        "",
+        "## Warm start",
+        "",
+        "Enqueued after the baseline from earlier studies (measured again here; the earlier "
+        "trials were not given to the sampler):",
+        "",
+    ]
+    here = {
+        t.user_attrs.get("warm_start_from"): t
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("warm_start_from")
+    }
+    for w in sources:
+        origin = f"{w['folder']} trial {w['trial']}"
+        t = here.get(origin)
+        now = "not run yet" if t is None else f"trial {t.number} here, {_here_values(study, t)}"
+        lines.append(f"- {_cell(origin)} ({_cell(w['measured'])} there): {_cell(now)}")
+    return lines
+
+
+def _here_values(study: optuna.Study, trial: Any) -> str:
+    view = TrialView(trial)
+    if not view.measured:
+        return view.status
+    names = study.metric_names or []
+    return ", ".join(f"{n} {v:.4g}" for n, v in zip(names, trial.values or [], strict=False))
+
+
 def headline_md(
     doc: list[dict[str, Any]],
     best: dict[str, tuple[float, int]],
@@ -196,6 +230,7 @@ def report_md(
     lines += _facts(study, plan, over, front, hv)
     lines += _front_table(study, doc)
     lines += capacity_section(study, plan)
+    lines += warm_start_section(study, plan)
     if stability and not stability.get("slos"):  # a check written before it kept its SLOs
         stability = {**stability, "slos": plan.get("slos") or []}
     lines += stability_section(stability)

@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from optimizer.config import load_job
-from optimizer.errors import SearchSpaceError
+from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.report import front_rows, study_status
 from optimizer.study import StudyDriver, is_baseline, prepare
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
@@ -454,3 +454,47 @@ def test_grid_sampler_measures_every_point_once_then_stops_and_resumes(tmp_path:
 def test_grid_sampler_refuses_a_continuous_param_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(SearchSpaceError, match=r"max-num-seqs.*categorical.*step"):
         _driver(tmp_path, FakeRunner(), sampler={"name": "grid"})
+
+
+def test_warm_start_enqueues_the_best_of_an_earlier_study_after_the_baseline(
+    tmp_path: Path,
+) -> None:
+    from optimizer.analysis.documents import warm_start_section
+
+    loose = {"preset": "default", "slos": ["p95_ttft_ms<=1000"]}
+    earlier = _driver(
+        tmp_path / "a", FakeRunner(), out=str(tmp_path / "a" / "out"), objectives=loose
+    ).run()
+    feasible = [
+        t for t in earlier.get_trials() if t.number and all(v <= 0 for v in t.constraints.values())
+    ]
+    assert feasible, "the earlier (fake) study needs feasible trials"
+    warm = {"studies": [str(tmp_path / "a" / "out")], "top": 2}
+    runner = FakeRunner()
+    study = _driver(
+        tmp_path / "b", runner, out=str(tmp_path / "b" / "out"), warm_start=warm, trials=4
+    ).run()
+    trials = study.get_trials()
+    assert is_baseline(trials[0])
+    sources = [t.user_attrs.get("warm_start_from") for t in trials[1:3]]
+    assert all(s and s.startswith(str(tmp_path / "a" / "out") + " trial ") for s in sources)
+    # Each warm-start trial ran its earlier configuration's flags of this space.
+    for t in trials[1:3]:
+        number = int(t.user_attrs["warm_start_from"].rsplit(" ", 1)[1])
+        before = json.loads(earlier.get_trials()[number].user_attrs["engine_args"])
+        now = json.loads(t.user_attrs["engine_args"])
+        assert now["max-num-seqs"] == before["max-num-seqs"]
+        assert now["max-num-batched-tokens"] == before["max-num-batched-tokens"]
+        assert all(v <= 0 for v in earlier.get_trials()[number].constraints.values())
+    plan = json.loads((tmp_path / "b" / "out" / "plan.json").read_text())
+    assert [w["trial"] for w in plan["warm_start"]] == [int(s.rsplit(" ", 1)[1]) for s in sources]
+    section = "\n".join(warm_start_section(study, plan))
+    assert "## Warm start" in section and "trial 1 here" in section
+
+
+def test_warm_start_from_a_folder_that_is_no_study_names_the_key(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        ConfigError, match=r"warm_start\.studies\[0\]: .* is not a study folder \(no plan\.json\)"
+    ):
+        _driver(tmp_path, FakeRunner(), warm_start={"studies": [str(tmp_path / "empty")]})
