@@ -7,6 +7,7 @@ command line and its commands import no circle.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from rich.console import Console
 
 from optimizer.errors import ConfigError
 
-__all__ = ["console", "err_console", "load_study_dir", "make_runner"]
+__all__ = ["add_capacity_pricing", "console", "err_console", "load_study_dir", "make_runner"]
 
 # Logs and CI capture output without a terminal; rich would squeeze tables to 80 columns.
 _WIDTH = None if sys.stdout.isatty() else 150
@@ -61,3 +62,21 @@ def load_study_dir(folder: Path) -> tuple[dict[str, Any], Any]:
             f"{redact_url(portable_url(url, folder))}: {type(exc).__name__}: {str(exc)[:200]}"
         ) from None
     return plan, study
+
+
+def add_capacity_pricing(p: argparse.ArgumentParser) -> None:
+    """--peak-rps and --gpu-hour-price (tune, show, export)."""
+    p.add_argument(
+        "--peak-rps",
+        type=float,
+        default=None,
+        help="capacity studies: peak request rate to provision for (GPUs needed at the "
+        "baseline and the winner); default: the job's capacity.peak_rps",
+    )
+    p.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        default=None,
+        help="capacity studies: price of a GPU-hour, for the cost per million output tokens; "
+        "default: the job's capacity.gpu_hour_price",
+    )

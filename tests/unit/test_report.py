@@ -196,7 +196,7 @@ def test_foreign_noise_is_kept_off_the_study_output(
 
 def test_a_gain_over_a_zero_baseline_is_not_a_percentage() -> None:
     """The export console printed "+nan%" for a capacity gain over a baseline of 0."""
-    from optimizer.cli import _gain_cell
+    from optimizer.export.command import _gain_cell
 
     assert _gain_cell(float("nan"), float("nan"), float("nan"), 0.0) == "from 0 (no ratio)"
     assert _gain_cell(14.0, 9.06, 18.24, 2.0) == "+14.0% [+9.1% .. +18.2%]"

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from objectives import parse_slo
-from optimizer.cli import _with_stability_note
+from optimizer.export.command import _with_stability_note
 from optimizer.export.render import ExportContext
 from optimizer.stability.command import verdict_table
 from optimizer.stability.plan import PlanSettings, build_load, build_plan
