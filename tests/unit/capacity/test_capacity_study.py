@@ -314,6 +314,21 @@ def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Pat
     assert "interpolated" in texts[3] and "raced out at the incumbent" in texts[3]
     # Its bounding step sat at 0.9 x the scale the race step's margin pointed to (1.3).
     assert "measured bracket 2.34-4.2" in texts[3]
+    # MLflow: the trial's run carries the same words as a tag, its metrics the bracket.
+    from optimizer.tracking import TrackingTarget, _Syncer
+
+    syncer = _Syncer(
+        TrackingTarget(
+            study="cap",
+            storage_url="sqlite:///unused.db",
+            out=tmp_path,
+            tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+            experiment="cap",
+        )
+    )
+    assert syncer._trial_tags(trials[3], set())["capacity"] == texts[3]
+    metrics = syncer._trial_metrics(trials[3])
+    assert metrics["capacity_rps_lo"] < metrics["capacity_rps"] < metrics["capacity_rps_hi"]
 
 
 def test_without_racing_no_trial_races(tmp_path: Path) -> None:
