@@ -2,7 +2,9 @@
 
 Every model forbids unknown keys, so a typo fails at load time with the key's path and the
 closest valid name. Relative paths in a job file are resolved against the file's folder, so a
-job runs the same from any working directory. :func:`load_job` is the only way in.
+job runs the same from any working directory. Strings that reach a rendered file or a command
+line (paths, names, engine arguments, environment) are plain text: no control characters, a
+bounded length (:mod:`optimizer.text`). :func:`load_job` is the only way in.
 """
 
 from __future__ import annotations
@@ -11,13 +13,22 @@ import difflib
 import re
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from optimizer.errors import ConfigError
 from optimizer.stability.options import StabilityOptions, stability_options
+from optimizer.text import escape_controls, text_problem, tree_problem
 from optimizer.types import CapacitySettings
 
 __all__ = [
@@ -40,6 +51,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _plain_text(value: str) -> str:
+    """A string that reaches a rendered file or a command line: no control characters, a
+    bounded length (:func:`optimizer.text.text_problem`)."""
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+#: A path, name or URL of the job: data, never structure (see :mod:`optimizer.text`).
+PlainText = Annotated[str, AfterValidator(_plain_text)]
+
+
+def _plain_tree(value: Any) -> Any:
+    """Every key and string of engine arguments (or an inline space) is plain text."""
+    problem = tree_problem(value, "", skip=("description",))
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
 class ModelSection(_Strict):
     """Which model to serve.
 
@@ -50,8 +85,8 @@ class ModelSection(_Strict):
         max_model_len: With ``make``, lower the generated model's context length.
     """
 
-    path: str
-    make: str | None = None
+    path: PlainText
+    make: PlainText | None = None
     max_model_len: int | None = Field(default=None, gt=0)
 
 
@@ -72,13 +107,26 @@ class EngineSection(_Strict):
             imports would take cores from the replay being measured.
     """
 
-    python: str | None = None
+    python: PlainText | None = None
     args: dict[str, Any] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, PlainText] = Field(default_factory=dict)
     startup_timeout_s: float = Field(default=900.0, gt=0)
     kv_cache_gib: int | None = Field(default=None, ge=1)
     baseline_args: dict[str, Any] | None = None
     preload: bool | None = None
+
+    _args = field_validator("args", "baseline_args")(_plain_tree)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(
+                    f"{escape_controls(key[:80])!r} is not an environment variable name "
+                    "(letters, digits and _, not starting with a digit)"
+                )
+        return v
 
 
 class ShapingSection(_Strict):
@@ -111,8 +159,8 @@ class TraceSection(_Strict):
         token_range: ``[low, high)`` ids prompts may use (default: from the model folder).
     """
 
-    path: str
-    format: str = "auto"
+    path: PlainText
+    format: PlainText = "auto"
     skip_bad_rows: bool = False
     shaping: ShapingSection = Field(default_factory=ShapingSection)
     warmup_requests: int = Field(default=0, ge=0)
@@ -260,8 +308,8 @@ class MlflowSection(_Strict):
     """MLflow review (default: a local SQLite-backed store in the output folder)."""
 
     enabled: bool = True
-    tracking_uri: str | None = None
-    experiment: str | None = None
+    tracking_uri: PlainText | None = None
+    experiment: PlainText | None = None
 
 
 class JobConfig(_Strict):
@@ -293,7 +341,7 @@ class JobConfig(_Strict):
         stability: The stability check as a stage (``after_study``) and its plan.
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
     model: ModelSection
     engine: EngineSection = Field(default_factory=EngineSection)
     gpus_per_trial: int = Field(default=0, ge=0)
@@ -306,14 +354,16 @@ class JobConfig(_Strict):
     budget: str | None = None
     until: str | None = None
     parallel: int = Field(default=1, ge=1)
-    storage: str | None = None
-    out: str | None = None
-    ray_address: str | None = None
+    storage: PlainText | None = None
+    out: PlainText | None = None
+    ray_address: PlainText | None = None
     retries: int = Field(default=2, ge=0)
     enqueue: list[dict[str, Any]] = Field(default_factory=list)
     warm_start: WarmStartSection | None = None
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
     stability: StabilitySection = Field(default_factory=StabilitySection)
+
+    _trees = field_validator("search_space", "enqueue")(_plain_tree)
 
     @field_validator("budget")
     @classmethod
@@ -403,7 +453,7 @@ def _explain(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = ".".join(str(p) for p in loc) or "(top level)"
-        msg = err["msg"]
+        msg = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             names = _field_names(JobConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), names, n=1)
@@ -443,8 +493,9 @@ def load_job(
             working directory for a mapping).
 
     Returns:
-        The job and the base folder, with ``model.path``, ``trace.path`` and a YAML
-        ``search_space`` path resolved to absolute paths.
+        The job and the base folder, with ``model.path``, ``trace.path`` and a
+        ``search_space`` file (any string that is not a preset name) resolved to absolute
+        paths.
 
     Raises:
         ConfigError: Unreadable YAML or an invalid job; the message names every bad key.
@@ -464,8 +515,10 @@ def load_job(
     model_path = job.model.path
     if job.model.make or model_path.startswith((".", "/", "~")) or (folder / model_path).exists():
         model_path = str(_resolve(model_path, folder))
+    from search_spaces.schema import is_preset_name
+
     space: str | dict[str, Any] = job.search_space
-    if isinstance(space, str) and space.endswith((".yaml", ".yml")):
+    if isinstance(space, str) and not is_preset_name(space):  # a file, whatever its suffix
         space = str(_resolve(space, folder))
     job = job.model_copy(
         update={

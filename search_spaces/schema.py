@@ -61,6 +61,7 @@ __all__ = [
     "Scalar",
     "SearchSpace",
     "SearchSpaceError",
+    "is_preset_name",
     "list_presets",
     "load_space",
     "normalize_flag",
@@ -659,7 +660,7 @@ def load_space(ref: str | Path | Mapping[str, Any]) -> SearchSpace:
     """
     if isinstance(ref, Mapping):
         return _validate(ref, "inline search space")
-    if isinstance(ref, str) and _looks_like_preset(ref):
+    if isinstance(ref, str) and is_preset_name(ref):
         presets = list_presets()
         if ref not in presets:
             raise SearchSpaceError(
@@ -676,7 +677,9 @@ def load_space(ref: str | Path | Mapping[str, Any]) -> SearchSpace:
     return _validate(_parse_yaml(text, str(path)), str(path))
 
 
-def _looks_like_preset(ref: str) -> bool:
+def is_preset_name(ref: str) -> bool:
+    """``ref`` names a preset, not a file: no path separator and no YAML suffix (any other
+    string is a file path, whatever its suffix)."""
     return not any(sep in ref for sep in ("/", "\\")) and not ref.endswith((".yaml", ".yml"))
 
 
