@@ -5,6 +5,12 @@
 production-stack chart, checked against its values contract) or ``ray-serve`` (a Serve config
 for ``ray.serve.llm``). Every file opens with a header: study, trial, vLLM version and hardware,
 trace, measured gain.
+
+Names and paths are data, never structure: every document is written by a serializer
+(``yaml.safe_dump``, ``json.dumps``, ``shlex.quote`` for the script), never pasted into a
+template, and every comment line goes through :func:`_comments`, which escapes control
+characters (a model path with a newline stays one comment line, not a second YAML document or
+shell command).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ from typing import Any
 import yaml
 
 from optimizer.errors import ConfigError
+from optimizer.text import escape_controls, text_problem
 
 __all__ = [
     "CPU_IMAGE",
@@ -30,6 +37,7 @@ __all__ = [
     "GPU_IMAGE",
     "Deployment",
     "ExportContext",
+    "check_deployment",
     "default_filename",
     "helm_schema_problems",
     "render",
@@ -50,6 +58,14 @@ HELM_SCHEMA = Path(__file__).parent.parent / "schemas" / "production-stack-value
 
 # Flags that describe where a server runs, not how it serves: never exported.
 _LOCAL_ONLY = frozenset({"load-format", "host", "port", "kv-cache-memory-bytes"})
+# A name the script can export (POSIX shell variable names).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _comments(lines: Iterable[str], comment: str = "#") -> str:
+    """Comment lines, one per item, each with its control characters escaped: no text given
+    to a header or note can end its comment line and start a document or a command."""
+    return "".join(f"{comment} {escape_controls(ln)}\n" for ln in lines)
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,22 @@ class Deployment:
     served_model_name: str | None = None
     image: str | None = None
     gpus: int | None = None
+
+
+def check_deployment(deployment: Deployment) -> Deployment:
+    """``deployment`` as given, once its names are plain text (:mod:`optimizer.text`): no
+    control characters, at most 1024 characters.
+
+    Raises:
+        ConfigError: The flag whose value is not (``--model``, ``--served-model-name``,
+            ``--image``), and what to fix.
+    """
+    for key in ("model", "served_model_name", "image"):
+        value = getattr(deployment, key)
+        problem = text_problem(value, 1024) if value is not None else None
+        if problem is not None:
+            raise ConfigError(f"--{key.replace('_', '-')}: {problem}")
+    return deployment
 
 
 @dataclass(frozen=True)
@@ -198,7 +230,7 @@ class ExportContext:
         lines += [f"NOTE: {n}" for n in self.notes]
         if deploy:
             lines += self.deploy_notes()
-        return "\n".join(f"{comment} {ln}" for ln in lines) + "\n"
+        return _comments(lines, comment)
 
     def deploy_args(self) -> dict[str, Any]:
         return {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
@@ -233,7 +265,7 @@ def _cli_words(args: Mapping[str, Any]) -> list[str]:
 def _vllm_config(ctx: ExportContext) -> str:
     # kebab-case keys: `vllm serve --config` drops a snake_case `false` (DESIGN.md §7.4).
     body = {"model": ctx.model, **ctx.local_args()}
-    notes = "".join(f"# {n}\n" for n in ctx.local_notes())
+    notes = _comments(ctx.local_notes())
     return ctx.header() + notes + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
 
 
@@ -242,16 +274,32 @@ def _vllm_cli(ctx: ExportContext) -> str:
     # the CPU build too, whose `vllm` console script does not; VLLM_PYTHON picks another Python.
     words = ["-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model]
     words += _cli_words(ctx.local_args())
-    env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in ctx.env.items())
-    notes = "".join(f"# {n}\n" for n in ctx.local_notes() if not n.startswith("Server env"))
+    notes = _comments(n for n in ctx.local_notes() if not n.startswith("Server env"))
     return (
         "#!/usr/bin/env bash\n"
         + ctx.header()
         + notes
         + "set -euo pipefail\n"
-        + env
-        + f'exec "${{VLLM_PYTHON:-{ctx.python}}}" {shlex.join(words)} "$@"\n'
+        + _shell_exports(ctx.env)
+        # every value a quoted word: the Python's path is a variable's value, not script text
+        + f"default_python={shlex.quote(ctx.python)}\n"
+        + f'exec "${{VLLM_PYTHON:-$default_python}}" {shlex.join(words)} "$@"\n'
     )
+
+
+def _shell_exports(env: Mapping[str, str]) -> str:
+    """``export NAME='value'`` lines.
+
+    Raises:
+        ConfigError: A name that is not a shell variable name.
+    """
+    for key in env:
+        if not _ENV_NAME.fullmatch(key):
+            raise ConfigError(
+                f"engine.env: {escape_controls(key[:80])!r} is not an environment variable "
+                "name (letters, digits and _); the script cannot export it"
+            )
+    return "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
 
 
 def _name(ctx: ExportContext) -> str:
@@ -492,8 +540,8 @@ def _ray_serve(ctx: ExportContext, *, unknown_flags: Sequence[str] = ()) -> str:
             }
         ]
     }
-    warn = "".join(
-        f"# WARNING: --{f} is not accepted by the vLLM that ray[llm] pins; check it.\n"
+    warn = _comments(
+        f"WARNING: --{f} is not accepted by the vLLM that ray[llm] pins; check it."
         for f in unknown_flags
     )
     return ctx.header(deploy=True) + warn + yaml.safe_dump(app, sort_keys=False)

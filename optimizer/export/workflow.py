@@ -22,7 +22,7 @@ import optuna
 from optimizer.engine.defaults import KV_CACHE_ENV
 from optimizer.errors import ConfigError
 from optimizer.export.choose import default_policy, select_trial
-from optimizer.export.render import Deployment, ExportContext, trace_label
+from optimizer.export.render import Deployment, ExportContext, check_deployment, trace_label
 from optimizer.export.revalidate import Validation, primary_metrics, validate_choice
 from optimizer.export.verdict import NOT_REVALIDATED
 from optimizer.report import changed_args
@@ -238,6 +238,9 @@ def context(
         deployment: Model, served name, image and GPUs the user set for a deployment format.
 
     The job's server environment is carried into the deployment without its secrets.
+
+    Raises:
+        ConfigError: A deployment name that is not plain text (:func:`check_deployment`).
     """
     job = job if job is not None else (saved.get("job") or {})
     engine = job.get("engine") or {}
@@ -259,5 +262,5 @@ def context(
         env={k: str(v) for k, v in env.items() if not is_secret(k)},
         capacity=capacity,
         python=str(engine.get("python") or sys.executable),
-        deployment=deployment or Deployment(),
+        deployment=check_deployment(deployment or Deployment()),
     )

@@ -814,3 +814,102 @@ def test_export_cli_warns_for_a_cpu_study_and_takes_the_deployment_flags(
     local = ["export", str(folder), "--format", "vllm-config", "--no-validate", "--gpus", "1"]
     assert main([*local, "--out", str(tmp_path / "v.yaml")]) == 2
     assert "--gpus: for a deployment" in capsys.readouterr().err
+
+
+# --- issue 24: names and paths are data, never structure -------------------------------------
+
+# Each ends the line it is written on and starts a document of its own: a privileged Pod next
+# to the Deployment (YAML), or a command (the script). Line breaks as YAML reads them (\n, \r,
+# NEL, the Unicode line and paragraph separators), quotes and command substitutions.
+_POD = "apiVersion: v1\nkind: Pod\nmetadata: {name: pwn}\nspec: {hostPID: true}\n"
+HOSTILE = [
+    f"m\n---\n{_POD}---\nx: ",
+    f"m\r---\r{_POD.replace(chr(10), chr(13))}---\rx: ",
+    *(f"m{nl}---{nl}{_POD.replace(chr(10), nl)}---{nl}x: " for nl in ("\x85", "\u2028", "\u2029")),
+    "m\ntouch PWNED\n#",
+    "m'\"; touch PWNED; echo '\"",
+    "m$(touch PWNED)`touch PWNED`",
+]
+PLACES = ["model", "study", "trace", "served-model-name", "deploy-model", "env", "flag", "python"]
+
+
+def _hostile_ctx(tmp: Path, text: str, place: str) -> ex.ExportContext:
+    """_ctx with ``text`` in one place (as a stored study or the export's flags could give it);
+    its Python is a FAKE that records its arguments (``python``: a file so named)."""
+    fake = tmp / ("py" + text.replace("/", "_") if place == "python" else "fake-python")
+    fake.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGS_FILE"\n')
+    fake.chmod(0o755)
+    ctx = replace(_ctx(), python=str(fake))
+    changes: dict[str, Any] = {
+        "model": {"model": "/srv/models/" + text},  # a local path: the header says so
+        "study": {"study": text},
+        "trace": {"trace": text, "hardware": text, "gain": text, "notes": (text,)},
+        "served-model-name": {"deployment": ex.Deployment(served_model_name=text)},
+        "deploy-model": {"deployment": ex.Deployment(model=text, image=text)},
+        "env": {"env": {"HF_HUB_OFFLINE": text}},
+        "flag": {"args": {**ctx.args, text: 1, "max-num-seqs": text}},
+        "python": {},
+    }
+    return replace(ctx, **changes[place])
+
+
+def _script_args(script: str, tmp: Path) -> list[str]:
+    """What the vllm-cli script hands its Python, run by bash in ``tmp``."""
+    import subprocess
+
+    path = ex.write_export(script, tmp / "serve.sh")
+    env = {"PATH": "/usr/bin:/bin", "ARGS_FILE": str(tmp / "args")}
+    subprocess.run(["bash", str(path), "--port", "8001"], cwd=tmp, env=env, check=True)
+    return (tmp / "args").read_bytes().decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("text", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_names_and_paths_stay_data_in_every_export(
+    tmp_path: Path, text: str, place: str
+) -> None:
+    """Every format parsed back: exactly the expected documents and kinds, the hostile text
+    only ever as one whole value; the script runs exactly one command with exactly its words."""
+    ctx = _hostile_ctx(tmp_path, text, place)
+    served = ctx.deployment.served_model_name
+    unknown = [text] if place == "flag" else []
+    yaml_formats = [f for f in ex.FORMATS if f != "vllm-cli"]  # the script: run below
+    docs = [
+        list(yaml.safe_load_all(ex.render(f, ctx, unknown_flags=unknown))) for f in yaml_formats
+    ]
+    config, kube, helm, ray = docs
+    assert len(config) == 1 and config[0]["model"] == ctx.model
+    assert set(config[0]) == {"model", *ctx.local_args()}
+    assert [d["kind"] for d in kube] == ["Deployment", "Service"]
+    (container,) = kube[0]["spec"]["template"]["spec"]["containers"]
+    assert container["args"][:2] == ["--model", ctx.deploy_model]
+    assert (container["args"][2:4] == ["--served-model-name", served]) == bool(served)
+    assert [set(d) for d in helm] == [{"servingEngineSpec"}]
+    (spec,) = helm[0]["servingEngineSpec"]["modelSpec"]
+    assert spec["modelURL"] == ctx.deploy_model
+    assert [set(d) for d in ray] == [{"applications"}]
+    (app,) = ray[0]["applications"]
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["model_loading_config"]["model_source"] == ctx.deploy_model
+    assert llm["model_loading_config"]["model_id"] == (served or app["name"])
+
+    words = _script_args(ex.render("vllm-cli", ctx), tmp_path)
+    assert words[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model]
+    assert words[-2:] == ["--port", "8001"]
+    if place == "flag":
+        assert [f"--{text}", "1"] == words[words.index(f"--{text}") :][:2]
+        assert words[words.index("--max-num-seqs") + 1] == text
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_deployment_name_with_a_control_character_is_refused_naming_the_flag() -> None:
+    choice = SimpleNamespace(
+        chosen=SimpleNamespace(number=3, engine_args={"max-num-seqs": 8}, gpus=lambda: 1)
+    )
+    saved = {"study": "s", "hardware": "1x NVIDIA H200", "job": {"model": {"path": "m"}}}
+    for key, flag in (("model", "--model"), ("served_model_name", "--served-model-name")):
+        deployment = ex.Deployment(**{key: "llama\n---\nkind: Pod"})
+        with pytest.raises(ConfigError, match=f"{flag}: holds a control character"):
+            ex.context(saved, choice, "g", deployment=deployment)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--image: longer than"):
+        ex.context(saved, choice, "g", deployment=ex.Deployment(image="x" * 2000))  # type: ignore[arg-type]
