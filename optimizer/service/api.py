@@ -6,7 +6,9 @@ Serve deployment whose single replica also runs the
 :class:`~optimizer.service.scheduler.Scheduler` thread, and :func:`run_service` starts it on a
 cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
 the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
-(413 above it). Errors map to statuses in one place: an invalid job is 422 with the job file
+(413 above it); a multipart body is parsed as it streams in, its trace part spooled to disk in
+a worker thread (never the whole body in memory, never a long stretch of work on the event
+loop). Errors map to statuses in one place: an invalid job is 422 with the job file
 loader's message (the key's path and the fix), a file outside the allowed roots 403, an unknown
 id 404, a conflict with the study's state 409.
 """
@@ -14,7 +16,8 @@ id 404, a conflict with the study's state 409.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,7 +26,8 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.types import Message
 
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
 from optimizer.export import FORMATS, POLICIES, parse_weights
@@ -34,9 +38,9 @@ from optimizer.service.auth import (
     parse_token_env,
     read_token_file,
 )
-from optimizer.service.facade import JobService
+from optimizer.service.facade import JobService, Upload
 from optimizer.service.scheduler import Scheduler
-from optimizer.service.settings import ServiceSettings
+from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, ServiceSettings
 from optimizer.service.store import JobStore
 from optimizer.service.study_host import RayDriverLauncher
 from optimizer.service.submissions import Submission, parse_body, parse_submission
@@ -133,40 +137,70 @@ def _map_errors(app: FastAPI, limit: int) -> None:
         return _error(413, f"the request is larger than {limit} bytes")
 
 
+def _capped(request: Request, limit: int) -> Request:
+    """``request`` whose body stream refuses (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > limit:
+            raise _TooLarge
+        return message
+
+    return Request(request.scope, receive)
+
+
+@asynccontextmanager
 async def _read_submission(
     request: Request, limit: int
-) -> tuple[Submission, tuple[str, bytes] | None]:
-    """A submission and its uploaded trace (file name, bytes) from a JSON, YAML or multipart
-    body of at most ``limit`` bytes."""
-    body = await _read_body(request, limit)
+) -> AsyncIterator[tuple[Submission, Upload | None]]:
+    """A submission and its uploaded trace from a JSON, YAML or multipart body of at most
+    ``limit`` bytes; a multipart trace part is a file spooled to disk, deleted on exit."""
     ctype = request.headers.get("content-type", "")
-    upload: tuple[str, bytes] | None = None
-    if ctype.startswith("multipart/form-data"):
-        request._body = body  # the form parser reads the buffered, size-checked body
-        form = await request.form(max_part_size=limit)
-        part = form.get("job")
-        if part is None:
-            raise ConfigError("multipart submission: the `job` part is missing")
-        if isinstance(part, UploadFile):
-            raw, part_type = await part.read(), part.content_type or ""
-        else:
-            raw, part_type = part.encode(), ""
-        sub = parse_submission(parse_body(raw, part_type))
-        window: dict[str, Any] = {}
-        for key in ("not_before", "until"):
-            value = form.get(key)
-            if isinstance(value, str) and value:
-                try:
-                    window[key] = datetime.fromisoformat(value)
-                except ValueError as exc:
-                    raise ConfigError(f"{key}: not an ISO 8601 time ({value!r})") from exc
-        if window:
-            sub = sub.model_copy(update=window)
-        trace = form.get("trace")
-        if isinstance(trace, UploadFile):
-            upload = (trace.filename or "trace", await trace.read())
+    if not ctype.startswith("multipart/form-data"):
+        body = await _read_body(request, limit)
+        yield await run_in_threadpool(_parse_submission, body, ctype), None
+        return
+    # Parsed as it streams in; file parts go to temporary files in a worker thread.
+    form = await _capped(request, limit).form(max_files=2, max_fields=8, max_part_size=limit)
+    try:
+        yield await _form_submission(form)
+    finally:
+        await form.close()
+
+
+def _parse_submission(body: bytes, content_type: str) -> Submission:
+    """A JSON or YAML body's submission (in a worker thread: a large YAML body takes long)."""
+    return parse_submission(parse_body(body, content_type))
+
+
+async def _form_submission(form: FormData) -> tuple[Submission, Upload | None]:
+    """The submission of a multipart form: its `job` part, time window and `trace` file."""
+    part = form.get("job")
+    if part is None:
+        raise ConfigError("multipart submission: the `job` part is missing")
+    if isinstance(part, UploadFile):
+        raw, part_type = await part.read(), part.content_type or ""
     else:
-        sub = parse_submission(parse_body(body, ctype))
+        raw, part_type = part.encode(), ""
+    sub = await run_in_threadpool(_parse_submission, raw, part_type)
+    window: dict[str, Any] = {}
+    for key in ("not_before", "until"):
+        value = form.get(key)
+        if isinstance(value, str) and value:
+            try:
+                window[key] = datetime.fromisoformat(value)
+            except ValueError:
+                raise ConfigError(f"{key}: not an ISO 8601 time ({value[:40]!r})") from None
+    if window:
+        sub = sub.model_copy(update=window)
+    trace = form.get("trace")
+    upload = (trace.filename or "trace", trace.file) if isinstance(trace, UploadFile) else None
     return sub, upload
 
 
@@ -237,8 +271,9 @@ def _add_study_routes(app: FastAPI, service: JobService, authed: list[Any], call
     )
     async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
-        sub, upload = await _read_submission(request, settings.max_upload_bytes)
-        rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
+        async with _read_submission(request, settings.max_upload_bytes) as (sub, upload):
+            # the upload's copy, the row count and the plan check: in a worker thread
+            rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
         return {**service.summary(rec), "notes": notes}
 
     @app.get("/v1/studies", dependencies=authed, tags=["studies"])
@@ -304,7 +339,7 @@ def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], call
 
 
 def _submit(
-    service: JobService, sub: Submission, upload: tuple[str, bytes] | None, who: Principal
+    service: JobService, sub: Submission, upload: Upload | None, who: Principal
 ) -> tuple[Any, list[str]]:
     return service.submit(sub, upload=upload, owner=who)
 
@@ -340,12 +375,33 @@ class _Ingress:
             scheduler.stop()
 
 
+#: The keys of a Serve config's ``args`` (and of the CLI's options).
+_SETTINGS_KEYS = frozenset(
+    {
+        "database_url",
+        "data_dir",
+        "trace_roots",
+        "model_roots",
+        "allow_hub_models",
+        "mlflow_uri",
+        "token_file",
+        "max_concurrent",
+        "max_upload_mib",
+        "max_trace_rows",
+        "study_storage",
+        "poll_interval_s",
+        "mlflow",
+    }
+)
+
+
 def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     """Settings from a Serve config's ``args`` (or the CLI's options).
 
     Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``model_roots`` (list),
-    ``token_file``, ``max_concurrent``, ``max_upload_mib``, ``study_storage``, ``mlflow_uri``,
-    ``poll_interval_s``, ``mlflow``. Tokens come from ``token_file`` (``TEAM TOKEN [admin]`` or
+    ``allow_hub_models``, ``token_file``, ``max_concurrent``, ``max_upload_mib``,
+    ``max_trace_rows``, ``study_storage``, ``mlflow_uri``, ``poll_interval_s``, ``mlflow``.
+    Tokens come from ``token_file`` (``TEAM TOKEN [admin]`` or
     ``TEAM sha256:DIGEST [admin]`` a line: :mod:`optimizer.service.auth`) and the
     ``VLLM_AUTOTUNE_TOKENS`` environment variable of the process that builds the application;
     only their digests are kept, with their team. Without
@@ -353,56 +409,59 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     are read (so a password never has to appear in a manifest).
 
     Raises:
-        ConfigError: No token configured, or an unknown key.
+        ConfigError: No token configured, an unknown key, or a row limit below 1.
     """
-    known = {
-        "database_url",
-        "data_dir",
-        "trace_roots",
-        "model_roots",
-        "mlflow_uri",
-        "token_file",
-        "max_concurrent",
-        "max_upload_mib",
-        "study_storage",
-        "poll_interval_s",
-        "mlflow",
-    }
-    unknown = sorted(set(args) - known)
+    unknown = sorted(set(args) - _SETTINGS_KEYS)
     if unknown:
-        raise ConfigError(f"unknown service settings {unknown}; valid: {', '.join(sorted(known))}")
-    data_dir = str(Path(args.get("data_dir") or "autotune-service").expanduser().resolve())
-    tokens: list[TokenEntry] = []
-    if args.get("token_file"):
-        tokens += read_token_file(args["token_file"])
-    tokens += parse_token_env(os.environ.get(TOKENS_ENV))
-    if not tokens:
         raise ConfigError(
-            f"no API tokens: give --token-file (one token a line) or set {TOKENS_ENV}"
+            f"unknown service settings {unknown}; valid: {', '.join(sorted(_SETTINGS_KEYS))}"
         )
-    roots = args.get("trace_roots") or []
-    if isinstance(roots, str):
-        roots = [roots]
-    model_roots = args.get("model_roots") or []
-    if isinstance(model_roots, str):
-        model_roots = [model_roots]
+    data_dir = str(Path(args.get("data_dir") or "autotune-service").expanduser().resolve())
+    max_rows = int(args.get("max_trace_rows") or DEFAULT_MAX_TRACE_ROWS)
+    if max_rows < 1:
+        raise ConfigError(f"max_trace_rows {max_rows}: give 1 or more")
     return ServiceSettings(
         database_url=args.get("database_url")
         or os.environ.get(DATABASE_ENV)
         or f"sqlite:///{data_dir}/service.db",
         data_dir=data_dir,
-        trace_roots=tuple(str(Path(r).expanduser().resolve()) for r in roots),
-        tokens=tuple(dict.fromkeys(tokens)),
-        model_roots=tuple(str(Path(r).expanduser().resolve()) for r in model_roots),
+        trace_roots=_folders(args.get("trace_roots")),
+        tokens=_tokens(args.get("token_file")),
+        model_roots=_folders(args.get("model_roots")),
+        allow_hub_models=bool(args.get("allow_hub_models", False)),
         mlflow_uri=args.get("mlflow_uri") or None,
         max_concurrent=(
             int(args["max_concurrent"]) if args.get("max_concurrent") is not None else None
         ),
         max_upload_bytes=int(float(args.get("max_upload_mib") or 32) * 1024**2),
+        max_trace_rows=max_rows,
         study_storage=args.get("study_storage") or os.environ.get(STORAGE_ENV) or None,
         poll_interval_s=float(args.get("poll_interval_s") or 2.0),
         mlflow=bool(args.get("mlflow", True)),
     )
+
+
+def _folders(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """One folder or a list of them, resolved."""
+    folders = [value] if isinstance(value, str) else list(value or [])
+    return tuple(str(Path(r).expanduser().resolve()) for r in folders)
+
+
+def _tokens(token_file: str | None) -> tuple[TokenEntry, ...]:
+    """The token file's entries and ``VLLM_AUTOTUNE_TOKENS``'s (digests only).
+
+    Raises:
+        ConfigError: Neither gives a token.
+    """
+    tokens: list[TokenEntry] = []
+    if token_file:
+        tokens += read_token_file(token_file)
+    tokens += parse_token_env(os.environ.get(TOKENS_ENV))
+    if not tokens:
+        raise ConfigError(
+            f"no API tokens: give --token-file (one token a line) or set {TOKENS_ENV}"
+        )
+    return tuple(dict.fromkeys(tokens))
 
 
 def build_app(args: dict[str, Any] | ServiceSettings) -> Any:

@@ -152,10 +152,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             "data_dir": ns.data_dir,
             "trace_roots": ns.trace_root,
             "model_roots": ns.model_root,
+            "allow_hub_models": ns.allow_hub_models,
             "mlflow_uri": ns.mlflow_uri,
             "token_file": ns.token_file,
             "max_concurrent": ns.max_concurrent,
             "max_upload_mib": ns.max_upload_mib,
+            "max_trace_rows": ns.max_trace_rows,
             "study_storage": ns.study_storage,
             "mlflow": not ns.no_mlflow,
         }
@@ -338,6 +340,8 @@ def register(sub: Any) -> None:
 
 def _add_serve(sub: Any) -> None:
     """``serve``: the service's options (cluster, address, roots, limits, tokens)."""
+    from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS
+
     p = sub.add_parser("serve", help="run the tuner as an HTTP service on Ray Serve")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: all)")
@@ -362,7 +366,14 @@ def _add_serve(sub: Any) -> None:
         "--model-root",
         action="append",
         default=[],
-        help="folder local models may come from (repeatable; DATA_DIR/models always)",
+        help="folder local models may come from (repeatable; DATA_DIR/models always); a "
+        "relative model.path is looked for under each",
+    )
+    p.add_argument(
+        "--allow-hub-models",
+        action="store_true",
+        help="serve a model name found under no model root as a hub repository id (ORG/NAME), "
+        "downloaded by vLLM (default: refused)",
     )
     p.add_argument(
         "--token-file",
@@ -377,6 +388,13 @@ def _add_serve(sub: Any) -> None:
         help="studies at once (default: 1 without GPUs, else the cluster's GPU count)",
     )
     p.add_argument("--max-upload-mib", type=float, default=32.0, help="largest request body")
+    p.add_argument(
+        "--max-trace-rows",
+        type=int,
+        default=DEFAULT_MAX_TRACE_ROWS,
+        help="most rows of a job's trace, uploaded or under a trace root "
+        f"(default {DEFAULT_MAX_TRACE_ROWS:,}); counted before the trace is parsed",
+    )
     p.add_argument(
         "--study-storage",
         default=None,

@@ -4,7 +4,9 @@ export), on top of the store, the scheduler and the study hosts.
 A submission is a job file (the same schema as ``tune`` reads) inside an optional envelope
 that adds a time window (``not_before``, ``until``) and an uploaded trace. :class:`JobService`
 checks it (the job's own validation, trace and search-space files only under the configured
-roots, the service's policy from :mod:`optimizer.service.security`), records it in the
+roots whatever their names, a model under the model roots or, where the operator allows, a hub
+name, a trace of at most the operator's rows, the service's policy from
+:mod:`optimizer.service.security`), records it in the
 :class:`~optimizer.service.store.JobStore` and answers every read from the store and the
 study's Optuna storage. Exports go through the same use case as the CLI
 (:mod:`optimizer.export.workflow`).
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import ctypes
 import functools
+import gc
 import json
 import logging
 import math
@@ -26,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import optuna
 import sqlalchemy as sa
@@ -40,15 +45,20 @@ from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import is_secret, redact_job
 from optimizer.service.settings import ServiceSettings
 from optimizer.service.store import FINAL_STATES, JobRecord, JobStore
-from optimizer.service.submissions import (
-    Submission,
-    safe_filename,
-)
+from optimizer.service.submissions import Submission, safe_filename, save_upload
 from optimizer.trial_view import TrialView, metric_names
+from search_spaces.schema import is_preset_name
 
-__all__ = ["ExportResult", "JobService", "Validator"]
+__all__ = ["ExportResult", "JobService", "Upload", "Validator"]
 
 log = logging.getLogger(__name__)
+
+#: A trace sent with a submission: its file name and its bytes, or a binary file to copy
+#: them from (a multipart part already spooled to disk).
+Upload = tuple[str, bytes | IO[bytes]]
+
+#: Largest search-space file the service reads.
+_MAX_SPACE_BYTES = 1024**2
 
 
 @dataclass(frozen=True)
@@ -145,21 +155,21 @@ class JobService:
 
     # --- submit --------------------------------------------------------------------------------
 
-    def _under_roots(self, path: Path, extra: Iterable[Path] = ()) -> bool:
+    def _under_roots(self, path: str | Path, extra: Iterable[Path] = ()) -> bool:
         return security.under(path, [*self.roots, *extra])
 
     def submit(
         self,
         sub: Submission,
         *,
-        upload: tuple[str, bytes] | None = None,
+        upload: Upload | None = None,
         owner: Principal | None = None,
     ) -> tuple[JobRecord, list[str]]:
         """Check a submission and queue it.
 
         Args:
             sub: The submission.
-            upload: A trace uploaded as a file part: (file name, bytes).
+            upload: A trace uploaded as a file part: (file name, bytes or a binary file).
             owner: Who submits (its team owns the study; None: the default team).
 
         Returns:
@@ -183,7 +193,7 @@ class JobService:
         job_id: str,
         upload_dir: Path,
         sub: Submission,
-        upload: tuple[str, bytes] | None,
+        upload: Upload | None,
         team: str,
     ) -> tuple[JobRecord, list[str]]:
         security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
@@ -191,8 +201,9 @@ class JobService:
         notes = self._store_upload(doc, sub, upload, upload_dir)
         notes += self._service_owned_keys(doc, job_id)
         job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
-        self._check_files(job, upload_dir)
+        job = self._check_files(job, upload_dir)
         self._check_space(job)
+        self._check_trace_size(job, upload_dir)
         self._prepare(job, base)
         now = self.clock()
         rec = JobRecord(
@@ -221,11 +232,12 @@ class JobService:
         self,
         doc: dict[str, Any],
         sub: Submission,
-        upload: tuple[str, bytes] | None,
+        upload: Upload | None,
         upload_dir: Path,
     ) -> list[str]:
-        """An uploaded trace (multipart part or base64 in the envelope) saved under
-        ``upload_dir`` and named in ``doc``'s trace.path."""
+        """An uploaded trace (multipart part or base64 in the envelope) copied under
+        ``upload_dir`` (a short, safe file name; at most the upload limit, in chunks) and
+        named in ``doc``'s trace.path."""
         if sub.trace_upload is not None:
             try:
                 data = base64.b64decode(sub.trace_upload.content_b64, validate=True)
@@ -234,22 +246,16 @@ class JobService:
             upload = (sub.trace_upload.filename, data)
         if upload is None:
             return []
-        name, data = upload
-        if len(data) > self.settings.max_upload_bytes:
-            raise SubmissionRefused(
-                f"the trace is {len(data)} bytes; the limit is "
-                f"{self.settings.max_upload_bytes} bytes",
-                status=413,
-            )
+        name, source = upload
         trace = doc.get("trace")
         if not isinstance(trace, dict):
             trace = {}
             doc["trace"] = trace
         upload_dir.mkdir(parents=True, exist_ok=True)
         path = upload_dir / safe_filename(name)
-        path.write_bytes(data)
+        size = save_upload(source, path, self.settings.max_upload_bytes)
         trace["path"] = str(path)
-        return [f"trace: the uploaded file ({len(data)} bytes)"]
+        return [f"trace: the uploaded file ({size} bytes)"]
 
     def _service_owned_keys(self, doc: dict[str, Any], job_id: str) -> list[str]:
         """What the service decides, not the submitter: the output folder, the cluster,
@@ -288,9 +294,11 @@ class JobService:
             model["path"] = str(self.models_dir / path)  # a relative target: ours
         return notes
 
-    def _check_files(self, job: JobConfig, upload_dir: Path) -> None:
-        """The model, the trace and a search-space file only where the operator allows."""
-        self._check_model(job)
+    def _check_files(self, job: JobConfig, upload_dir: Path) -> JobConfig:
+        """The model, the trace and a search-space file only where the operator allows (each
+        path resolved and checked before anything is read: an answer never says whether a
+        file outside the roots exists); returns the job with its model placed."""
+        job = self._place_model(job)
         trace_path = Path(job.trace.path)
         if not self._under_roots(trace_path, [upload_dir]):
             raise SubmissionRefused(
@@ -301,16 +309,14 @@ class JobService:
                 status=403,
             )
         space = job.search_space
-        if (
-            isinstance(space, str)
-            and space.endswith((".yaml", ".yml"))
-            and not self._under_roots(Path(space))
-        ):
+        if isinstance(space, str) and not is_preset_name(space) and not self._under_roots(space):
             raise SubmissionRefused(
-                f"search_space {space}: outside the service's trace roots; inline the "
-                "space in the job or use a preset name",
+                f"search_space {space[:300]}: a file outside the service's trace roots (any "
+                "name that is not a preset is a file); inline the space in the job or use a "
+                "preset name",
                 status=403,
             )
+        return job
 
     def _operator_urls(self, doc: dict[str, Any]) -> list[str]:
         """Storage and MLflow are the operator's: a job's own URLs are replaced (with a note)."""
@@ -329,8 +335,17 @@ class JobService:
                 ml["tracking_uri"] = self.settings.mlflow_uri
         return notes
 
-    def _check_model(self, job: JobConfig) -> None:
-        """A model folder is read under the model roots, and made only under DATA_DIR/models."""
+    def _place_model(self, job: JobConfig) -> JobConfig:
+        """The job with its model where the operator allows: made only under DATA_DIR/models;
+        read under the model roots (a relative path is looked for under each root, never
+        beside the service's working directory); else a hub name, where the operator allows
+        them (``--allow-hub-models``).
+
+        Raises:
+            SubmissionRefused: (403) A model outside the roots, or a hub name the operator
+                does not allow. The answer is the same whether or not such a path exists.
+            ConfigError: With hub names allowed, a name that is not a hub repository id.
+        """
         path = job.model.path
         if job.model.make:
             if not security.under(path, [self.models_dir]):
@@ -339,23 +354,88 @@ class JobService:
                     f"folder; give a relative path (it lands in {self.models_dir})",
                     status=403,
                 )
-        elif Path(path).is_absolute() and not security.under(path, self.model_roots):
+            return job
+        roots = ", ".join(str(r) for r in self.model_roots)
+        if Path(path).is_absolute():
+            if not security.under(path, self.model_roots):
+                raise SubmissionRefused(
+                    f"model.path: outside the service's model roots ({roots}): ask the "
+                    "operator to add a --model-root"
+                    + (", or give a hub name" if self.settings.allow_hub_models else ""),
+                    status=403,
+                )
+            return job
+        found = self._find_in_model_roots(path)
+        if found is not None:
+            return job.model_copy(update={"model": job.model.model_copy(update={"path": found})})
+        return self._hub_model(job, roots)
+
+    def _find_in_model_roots(self, path: str) -> str | None:
+        """``root/path`` for the first model root that holds it (never a path that leaves
+        its root: that is checked before anything is looked for)."""
+        for root in self.model_roots:
+            candidate = root / path
+            if security.under(candidate, [root]) and candidate.exists():
+                return str(candidate)
+        return None
+
+    def _hub_model(self, job: JobConfig, roots: str) -> JobConfig:
+        """A model name found under no model root: a hub name, if the operator allows them."""
+        path = job.model.path
+        if not self.settings.allow_hub_models:
             raise SubmissionRefused(
-                "model.path: outside the service's model roots ("
-                + ", ".join(str(r) for r in self.model_roots)
-                + "): ask the operator to add a --model-root, or give a hub name",
+                f"model.path {path[:200]!r}: not a model under the service's model roots "
+                f"({roots}), and this service serves no hub names: give a folder under a "
+                "model root (a path relative to one is looked for there), or ask the operator "
+                "to start the service with --allow-hub-models",
                 status=403,
             )
+        if not security.is_hub_name(path):
+            raise ConfigError(
+                f"model.path {path[:200]!r}: neither a model under the service's model roots "
+                f"({roots}) nor a hub name (ORG/NAME: letters, digits, '.', '_' and '-', no "
+                "'..')"
+            )
+        return job
 
     @staticmethod
     def _check_space(job: JobConfig) -> None:
-        """Every flag the search space can set is one the service accepts."""
+        """Every flag the search space can set is one the service accepts. A space file (under
+        the roots: :meth:`_check_files`) that is not a valid space is refused without quoting
+        any of it (its keys and values included)."""
         from search_spaces.schema import load_space
 
-        security.check_space(load_space(job.search_space))
+        space = job.search_space
+        if isinstance(space, dict) or is_preset_name(space):
+            security.check_space(load_space(space))
+            return
+        name = Path(space).name[:200]
+        try:
+            if not Path(space).is_file() or Path(space).stat().st_size > _MAX_SPACE_BYTES:
+                raise ConfigError("not a file of at most 1 MiB")
+            security.check_space(load_space(space))
+        except (ConfigError, OSError, ValueError):
+            raise ConfigError(
+                f"search_space: {name} is not a search space the service accepts (a YAML "
+                "file of at most 1 MiB with name, fixed, params, and only flags the service "
+                "allows); the service does not quote the file: `vllm-autotune tune` with the "
+                "job locally says what is wrong, or inline the space in the job"
+            ) from None
+
+    def _check_trace_size(self, job: JobConfig, upload_dir: Path) -> None:
+        """At most the operator's rows in the trace, counted before it is parsed; an uploaded
+        one at most the upload limit once decompressed."""
+        path = Path(job.trace.path)
+        uploaded = path.is_relative_to(upload_dir)
+        security.check_trace_size(
+            path,
+            self.settings.max_trace_rows,
+            self.settings.max_upload_bytes if uploaded else None,
+        )
 
     def _prepare(self, job: JobConfig, base: Path) -> None:
-        """The plan check, with every failure a 4xx that quotes none of the trace."""
+        """The plan check, with every failure a 4xx that quotes none of the trace; what it
+        allocated (the whole trace, read and shaped) goes back to the system after it."""
         try:
             self.check_plan(job, base)
         except TraceError as exc:
@@ -376,6 +456,8 @@ class JobService:
                 f"the job could not be prepared ({type(exc).__name__}): the trace or the "
                 "model folder is unreadable; `vllm-autotune tune` on it locally says more"
             ) from None
+        finally:
+            _return_freed_memory()
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -639,6 +721,15 @@ class JobService:
             "scheduler": self.scheduler.alive,
             "last_tick": _iso(self.scheduler.last_tick),
         }
+
+
+def _return_freed_memory() -> None:
+    """Give the memory a plan check freed back to the system: glibc keeps freed heap pages
+    for reuse, so a replica that checked a large trace would otherwise stay about as large as
+    the check made it. Elsewhere than glibc (macOS, musl): nothing to do."""
+    gc.collect()
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _check_stored_job(job: Mapping[str, Any]) -> None:

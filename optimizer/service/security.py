@@ -17,7 +17,13 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
   expanded), with bounded nesting, string size and container size; every error is a
   :class:`~optimizer.errors.ConfigError` (422) that quotes none of the body.
 - **Paths**: :func:`under` resolves a path (symlinks included) and says whether it lies under
-  one of the operator's roots.
+  one of the operator's roots; it is asked before anything is read, so an answer never says
+  whether a file outside the roots exists. :func:`is_hub_name` says whether a model name is a
+  hub repository id (``ORG/NAME``), the only other kind of model the service may serve.
+- **Traces**: :func:`check_trace_size` counts a trace's rows (lines, decompressed) before it
+  is parsed, against the operator's row limit.
+- **Text**: a stored job's strings are plain text (:func:`optimizer.text.tree_problem`), as
+  the job file's schema now requires of new ones.
 - **Study folders**: the service marks each study folder it creates (:data:`STUDY_MARKER`);
   :func:`is_service_study` recognises one (marked, or laid out as the service lays them out),
   and :func:`check_stored_study` refuses what the service would, so ``vllm-autotune export``
@@ -30,9 +36,11 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
 from __future__ import annotations
 
 import difflib
+import gzip
 import json
 import math
 import re
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, SubmissionRefused
+from optimizer.text import escape_controls, tree_problem
 
 __all__ = [
     "MAX_CONTAINER_ITEMS",
@@ -54,6 +63,8 @@ __all__ = [
     "check_env",
     "check_space",
     "check_stored_study",
+    "check_trace_size",
+    "is_hub_name",
     "is_secret",
     "is_service_study",
     "mark_service_study",
@@ -184,12 +195,13 @@ def check_engine_arg(raw: str, value: Any, where: str) -> None:
     """
     name, negated = _flag_name(raw)
     check = SERVICE_FLAGS.get(name)
-    label = f"{where}.{str(raw)[:80]}"
+    label = f"{where}.{escape_controls(str(raw)[:80])}"
     if check is None:
         close = difflib.get_close_matches(name, list(SERVICE_FLAGS), n=1, cutoff=0.75)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(
-            f"{label}: the service does not accept the engine flag --{name[:80]}{hint} "
+            f"{label}: the service does not accept the engine flag "
+            f"--{escape_controls(name[:80])}{hint} "
             "(it accepts only flags that change performance, not code or files: "
             f"{', '.join(SERVICE_FLAGS)})"
         )
@@ -260,7 +272,7 @@ def check_env(env: Mapping[str, Any] | None, where: str = "engine.env") -> None:
     """
     for key, value in (env or {}).items():
         check = SERVICE_ENV.get(str(key))
-        name = str(key)[:80]
+        name = escape_controls(str(key)[:80])
         if check is None:
             raise ConfigError(
                 f"{where}.{name}: the service does not pass this variable to servers (it "
@@ -427,6 +439,63 @@ def under(path: str | Path, roots: Iterable[Path]) -> bool:
     return any(real.is_relative_to(r.resolve()) for r in roots)
 
 
+# A Hugging Face repository id: an optional owner, a name; letters, digits, '.', '_', '-'.
+_HUB_NAME = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def is_hub_name(name: str) -> bool:
+    """``name`` is a hub repository id (``gpt2``, ``org/model-1.5``): no ``..``, no ``--``, no
+    leading ``.``, ``/`` or ``~``, at most one ``/``."""
+    return bool(_HUB_NAME.fullmatch(name)) and ".." not in name and "--" not in name
+
+
+# --- traces -----------------------------------------------------------------------------------
+
+
+def _chunks(path: Path) -> Iterable[bytes]:
+    """The file's text in 1 MiB chunks (a ``.gz`` one decompressed, as the trace reader does)."""
+    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        yield from iter(lambda: handle.read(1024**2), b"")
+
+
+def check_trace_size(path: Path, max_rows: int, max_bytes: int | None = None) -> None:
+    """The trace at ``path`` has at most ``max_rows`` rows (plus a header line), counted as
+    lines without parsing anything; an uploaded one (``max_bytes``) decompresses to at most
+    ``max_bytes``.
+
+    Raises:
+        ConfigError: More rows than ``max_rows``, or a file that cannot be read (the message
+            quotes none of it).
+        SubmissionRefused: (413) More text than ``max_bytes``.
+    """
+    lines = size = 0
+    name = path.name[:200]
+    if not path.is_file():
+        raise ConfigError(f"trace: {name} is not a file")
+    try:
+        for chunk in _chunks(path):
+            lines += chunk.count(b"\n")
+            size += len(chunk)
+            if lines > max_rows + 1:
+                raise ConfigError(
+                    f"trace: {name} has more than {max_rows} rows, the service's limit "
+                    "(its --max-trace-rows): send a slice of the trace (shaping reads the "
+                    "whole file before it selects a window)"
+                )
+            if max_bytes is not None and size > max_bytes:
+                raise SubmissionRefused(
+                    f"trace: {name} decompresses to more than {max_bytes} bytes, the "
+                    "service's upload limit",
+                    status=413,
+                )
+    except (OSError, EOFError, zlib.error):
+        raise ConfigError(
+            f"trace: {name} cannot be read (a .gz file must be gzip); the service does not "
+            "quote the file"
+        ) from None
+
+
 # --- study folders ----------------------------------------------------------------------------
 
 #: The file the service writes in every study folder it creates.
@@ -468,8 +537,13 @@ def check_stored_study(
         trials: (label, engine arguments) of each trial that would be rendered or re-run.
 
     Raises:
-        ConfigError: ``engine.python``, a variable or a flag the service does not accept.
+        ConfigError: A string of the job that is not plain text (a control character: stored
+            before the job file's schema refused them), ``engine.python``, a variable or a
+            flag the service does not accept.
     """
+    problem = tree_problem(dict(job), "the study's job", skip=("description",))
+    if problem is not None:
+        raise ConfigError(problem)
     engine = job.get("engine") or {}
     if engine.get("python"):
         raise ConfigError(

@@ -12,9 +12,14 @@ from pathlib import Path
 from optimizer.errors import ConfigError
 from optimizer.service.auth import TokenEntry, hash_token
 
-__all__ = ["ServiceSettings", "load_tokens", "token_matches"]
+__all__ = ["DEFAULT_MAX_TRACE_ROWS", "ServiceSettings", "load_tokens", "token_matches"]
 
 log = logging.getLogger(__name__)
+
+#: Rows of a job's trace the service reads at most (``serve --max-trace-rows``): hours of
+#: replay at the request rates one server takes, and about 50 MiB while a submission's plan
+#: is checked.
+DEFAULT_MAX_TRACE_ROWS = 200_000
 
 
 @dataclass(frozen=True)
@@ -28,11 +33,17 @@ class ServiceSettings:
         token_sha256: SHA-256 hex digests of accepted bearer tokens of the ``default`` team.
         tokens: Accepted tokens with their team and role (digests, never the tokens).
         model_roots: Folders a job's local model must lie under (besides ``DATA_DIR/models``,
-            where ``model.make`` creates models); hub names are not paths and pass.
+            where ``model.make`` creates models); a relative ``model.path`` is looked for
+            under each of them.
+        allow_hub_models: Serve a model name found under no model root as a hub repository
+            id (``ORG/NAME``), downloaded by vLLM; off: such a job is refused (403).
         mlflow_uri: MLflow tracking URI of every job (None: a store in each study's folder).
         max_concurrent: Studies running at once (None: 1 on a cluster without GPUs, else the
             number of GPUs).
-        max_upload_bytes: Largest request body accepted (413 above).
+        max_upload_bytes: Largest request body accepted (413 above); an uploaded trace, once
+            decompressed, too.
+        max_trace_rows: Most rows a job's trace may hold (uploaded or under a trace root),
+            counted before it is parsed (422 above).
         study_storage: Optuna storage URL for jobs that set none (None: SQLite per study).
         poll_interval_s: Scheduler period.
         mlflow: Let jobs log to MLflow (each job's ``mlflow.enabled`` still decides).
@@ -46,9 +57,11 @@ class ServiceSettings:
     token_sha256: tuple[str, ...] = ()
     tokens: tuple[TokenEntry, ...] = ()
     model_roots: tuple[str, ...] = ()
+    allow_hub_models: bool = False
     mlflow_uri: str | None = None
     max_concurrent: int | None = None
     max_upload_bytes: int = 32 * 1024**2
+    max_trace_rows: int = DEFAULT_MAX_TRACE_ROWS
     study_storage: str | None = None
     poll_interval_s: float = 2.0
     mlflow: bool = True

@@ -1,5 +1,8 @@
 """A submission: a job file inside an optional envelope (time window, uploaded trace), parsed
-from JSON, YAML or multipart bodies without trusting any of it."""
+from JSON, YAML or multipart bodies without trusting any of it.
+
+An uploaded trace keeps a short, safe version of its file name (:func:`safe_filename`) and is
+copied in chunks, refused past the upload limit (:func:`save_upload`)."""
 
 from __future__ import annotations
 
@@ -7,14 +10,22 @@ import logging
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, SubmissionRefused
 from optimizer.service import security
 
-__all__ = ["Submission", "TraceUpload", "parse_body", "parse_submission", "safe_filename"]
+__all__ = [
+    "MAX_FILENAME",
+    "Submission",
+    "TraceUpload",
+    "parse_body",
+    "parse_submission",
+    "safe_filename",
+    "save_upload",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +98,42 @@ def parse_body(body: bytes, content_type: str = "") -> Any:
     )
 
 
+#: Longest file name an upload is stored under (file systems allow 255 bytes).
+MAX_FILENAME = 100
+
+
 def safe_filename(name: str) -> str:
+    """An uploaded file's name as the service stores it: its last path part, only ASCII
+    letters, digits, ``.``, ``_`` and ``-``, not hidden, at most :data:`MAX_FILENAME`
+    characters with its suffixes kept (``.csv``, ``.jsonl.gz``: the format is read from
+    them)."""
     base = Path(name.replace("\\", "/")).name
-    clean = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".")
-    return clean or "trace"
+    clean = re.sub(r"[^A-Za-z0-9._-]", "_", base).lstrip(".") or "trace"
+    if len(clean) <= MAX_FILENAME:
+        return clean
+    suffix = "".join(Path(clean).suffixes[-2:])
+    if len(suffix) > 20:
+        suffix = Path(clean).suffix if len(Path(clean).suffix) <= 20 else ""
+    return clean[: MAX_FILENAME - len(suffix)] + suffix
+
+
+def save_upload(source: bytes | IO[bytes], path: Path, limit: int) -> int:
+    """Copy an uploaded trace (bytes, or a binary file read in 1 MiB chunks) to ``path``;
+    its size.
+
+    Raises:
+        SubmissionRefused: (413) More than ``limit`` bytes (the partial file is left for the
+            caller to remove with its folder).
+    """
+    chunks = [source] if isinstance(source, bytes) else iter(lambda: source.read(1024**2), b"")
+    size = 0
+    with path.open("wb") as out:
+        for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise SubmissionRefused(
+                    f"the trace is more than {limit} bytes, the service's upload limit",
+                    status=413,
+                )
+            out.write(chunk)
+    return size

@@ -94,6 +94,7 @@ def make_service(
     **settings: Any,
 ) -> JobService:
     clock = clock or Clock()
+    settings.setdefault("allow_hub_models", True)  # job_doc's model is a hub name
     cfg = ServiceSettings(
         database_url=f"sqlite:///{tmp_path / 'service.db'}",
         data_dir=str(tmp_path / "data"),

@@ -1,7 +1,9 @@
-"""The service as a hostile-but-fair token holder would try it (issue 13), over the HTTP API with
-a real JobService and a FAKE driver launcher: code-loading engine flags and environment, paths
-outside the operator's roots, YAML alias bombs, deep nesting, unreadable traces, flags `tune`
-refuses, other teams' studies, and exports of what the service would refuse.
+"""The service as a hostile-but-fair token holder would try it (issues 13 and 24), over the HTTP
+API with a real JobService and a FAKE driver launcher: code-loading engine flags and
+environment, paths outside the operator's roots, YAML alias bombs, deep nesting, unreadable
+traces, flags `tune` refuses, other teams' studies, exports of what the service would refuse;
+then (section 6) names and paths with control characters, search-space files by any name,
+relative model paths, long upload names, traces over the row limit and large uploads.
 
 Each test here failed on the service before the fix (a 201, a 500, a file written, another
 team's study listed) and passes after it."""
@@ -299,6 +301,7 @@ def teams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[TestClient, 
             "data_dir": str(tmp_path / "data"),
             "token_file": str(tokens),
             "trace_roots": [str(TRACE.parent)],
+            "allow_hub_models": True,  # job_doc's model is a hub name
         }
     )
     store = JobStore(settings.database_url)
@@ -560,3 +563,265 @@ def test_a_local_ray_is_started_on_the_address_the_operator_chose(
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     api.run_service(service.settings, host="0.0.0.0", port=8123)
     assert "_node_ip_address" not in seen and ray_constants.ENABLE_RAY_CLUSTER is True
+
+
+# --- 6. issue 24: names and paths are data; every path confined; uploads bounded --------------
+
+# A model path meant to end its export's header line and add a privileged Pod.
+INJECTED = (
+    "m\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: pwn}\nspec: {hostPID: true}\n---\nx: "
+)
+
+
+@pytest.mark.parametrize(
+    ("over", "key"),
+    [
+        ({"model": {"path": INJECTED, "make": "tiny"}}, "model.path"),
+        ({"model": {"path": "org/m\u2028kind: Pod"}}, "model.path"),
+        ({"mlflow": {"enabled": False, "experiment": "e\rx"}}, "mlflow.experiment"),
+        ({"trace": {"path": str(TRACE) + "\x85.csv"}}, "trace.path"),
+        ({"search_space": {"name": "s\x1b[2J", "params": {}}}, "search_space"),
+        ({"engine": {"args": {"kv-cache-dtype": "auto\n"}}}, "engine.args.kv-cache-dtype"),
+        ({"model": {"path": "org/" + "m" * 5000}}, "model.path"),
+    ],
+)
+def test_control_characters_in_names_and_paths_are_refused_naming_the_key(
+    client: TestClient, over: dict[str, Any], key: str
+) -> None:
+    r = _post(client, job_doc("ctl", **over))
+    assert r.status_code == 422, r.text[:300]
+    assert key in r.json()["detail"], r.text[:300]
+    assert "Pod" not in r.text and "mmmmm" not in r.text  # the value is never quoted
+
+
+def test_a_study_stored_with_a_hostile_model_path_is_not_exported(
+    client: TestClient, service: JobService
+) -> None:
+    """A study stored before the rule (its model path a line break and a Pod): every export,
+    validated or not, is refused naming the key, as for a flag stored before the allow-list."""
+    sid = _post(client, job_doc("old-model")).json()["id"]
+    fake_study(service, sid)
+    service.store.update(sid, progress={"storage_ready": True})
+    rec = service.get(sid)
+    job = {**rec.job, "model": {"path": str(service.models_dir / INJECTED), "make": "tiny"}}
+    service.store.update(sid, job=json.dumps(job))
+    for fmt in ("vllm-config", "vllm-cli", "kubernetes", "helm", "ray-serve"):
+        for validate in ("false", "true"):
+            r = client.post(
+                f"/v1/studies/{sid}/export?format={fmt}&trial=1&validate={validate}", headers=AUTH
+            )
+            assert r.status_code == 422, (fmt, r.status_code, r.text[:300])
+            assert "model.path" in r.json()["detail"] and "Pod" not in r.text
+
+
+CREDENTIALS = "aws_access_key_id: AKIA-SEKRIT\naws_secret_access_key: hunter2-sekrit\n"
+
+
+def test_a_search_space_file_outside_the_roots_is_refused_whatever_its_name(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """Outside the roots: 403 before anything is read, the same answer whether a file is there,
+    missing, or a folder; never its content."""
+    creds = tmp_path / "credentials"
+    creds.write_text(CREDENTIALS)
+    (tmp_path / "folder").mkdir()
+    answers = set()
+    for name in ("credentials", "missing", "folder"):
+        for space in (str(tmp_path / name), f"../../../../../../..{tmp_path}/{name}"):
+            r = _post(client, job_doc("space-file", search_space=space))
+            assert r.status_code == 403, (space, r.text[:300])
+            assert "sekrit" not in r.text and "aws" not in r.text
+            answers.add(r.json()["detail"].replace(name, "NAME"))
+    assert len(answers) == 1, answers
+
+
+def test_a_search_space_file_under_the_roots_is_read_but_never_quoted(
+    client: TestClient, service: JobService, tmp_path: Path
+) -> None:
+    root = tmp_path / "traces"
+    root.mkdir()
+    service.roots.append(root)
+    (root / "credentials").write_text(CREDENTIALS)
+    (root / "space").write_text(
+        "name: mine\nparams:\n  max-num-seqs: {type: int, low: 4, high: 64}\n"
+    )
+    (root / "plugin").write_text(
+        "name: p\nparams:\n  sekrit-plugin: {type: categorical, choices: [a.py]}\n"
+    )
+    for name in ("credentials", "plugin", "missing"):
+        r = _post(client, job_doc("space-file", search_space=str(root / name)))
+        assert r.status_code == 422, (name, r.text[:300])
+        assert "search_space" in r.json()["detail"] and "sekrit" not in r.text, r.text[:300]
+        assert "aws" not in r.text
+    r = _post(client, job_doc("space-file", search_space=str(root / "space")))
+    assert r.status_code == 201, r.text[:300]
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model folder outside every root, reachable from the service's working directory as
+    `examples/../../outside/model` (the working directory is two levels below its parent)."""
+    outside = tmp_path / "a" / "outside" / "model"
+    outside.mkdir(parents=True)
+    (outside / "config.json").write_text("{}")
+    cwd = tmp_path / "a" / "b"
+    (cwd / "examples").mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    assert Path("examples/../../outside/model").resolve() == outside.resolve()
+    return outside
+
+
+@pytest.mark.parametrize("hub", [False, True])
+def test_a_relative_model_path_is_looked_for_under_the_model_roots_only(
+    tmp_path: Path, elsewhere: Path, hub: bool
+) -> None:
+    models = tmp_path / "models"
+    (models / "team" / "m").mkdir(parents=True)
+    svc = make_service(tmp_path, FakeLauncher(), model_roots=(str(models),), allow_hub_models=hub)
+    client = TestClient(create_app(svc), raise_server_exceptions=False)
+    answers = set()
+    for path in ("examples/../../outside/model", "examples/../../outside/missing"):
+        r = _post(client, job_doc("rel", model={"path": path}))
+        assert r.status_code == (422 if hub else 403), (path, r.text[:300])
+        answers.add(r.json()["detail"].replace(path, "PATH"))
+    assert len(answers) == 1, answers  # the same whether or not the folder exists
+    r = _post(client, job_doc("rel", model={"path": "team/m"}))  # found under a model root
+    assert r.status_code == 201, r.text[:300]
+    assert svc.get(r.json()["id"]).job["model"]["path"] == str(models / "team" / "m")
+    r = _post(client, job_doc("hub", model={"path": "org/some-model"}))
+    assert r.status_code == (201 if hub else 403), r.text[:300]
+    if not hub:
+        assert "--allow-hub-models" in r.json()["detail"]
+    assert all("outside" not in rec.job["model"]["path"] for rec in svc.store.records())
+
+
+def _multipart(name: str, data: bytes, job: dict[str, Any]) -> dict[str, Any]:
+    return {"job": (None, json.dumps(job)), "trace": (name, data, "text/csv")}
+
+
+@pytest.mark.parametrize("name", ["t" * 300 + ".csv", "\u00e9" * 200 + ".csv", "x" * 400])
+def test_an_upload_with_a_long_file_name_is_stored_under_a_short_one(
+    client: TestClient, service: JobService, name: str
+) -> None:
+    r = client.post(
+        "/v1/studies", files=_multipart(name, TRACE.read_bytes(), job_doc("long")), headers=AUTH
+    )
+    assert r.status_code == 201, r.text[:300]
+    stored = Path(service.get(r.json()["id"]).job["trace"]["path"])
+    assert len(stored.name.encode()) <= 100 and stored.is_file()
+    assert stored.suffix == Path(name).suffix
+
+
+def _rows(n: int) -> bytes:
+    lines = [
+        f"2023-11-16 18:17:{i // 100000:02d}.{i % 100000:05d}00,{100 + i % 4000},{1 + i % 50}"
+        for i in range(n)
+    ]
+    return ("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(lines) + "\n").encode()
+
+
+def test_a_trace_over_the_row_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """Uploaded (multipart or base64) or under a trace root: counted, never parsed, when it has
+    more rows than the operator's --max-trace-rows; an upload's .gz by its decompressed size."""
+    import gzip
+
+    def parsed(*_a: Any) -> None:
+        raise AssertionError("the trace was parsed")
+
+    svc = make_service(tmp_path, FakeLauncher(), max_trace_rows=500, max_upload_bytes=1024**2)
+    svc.check_plan = parsed
+    client = TestClient(create_app(svc), raise_server_exceptions=False)
+    job = job_doc("rows")
+    for r in (
+        client.post("/v1/studies", files=_multipart("t.csv", _rows(501), job), headers=AUTH),
+        _post(client, {"job": job, "trace_upload": _upload("t.csv", _rows(501))}),
+        _post(client, job),  # TRACE, under the trace root: 600 rows
+    ):
+        assert r.status_code == 422, r.text[:300]
+        assert "more than 500 rows" in r.json()["detail"] and "--max-trace-rows" in r.text
+    bomb = gzip.compress(b"0" * (2 * 1024**2))
+    r = client.post("/v1/studies", files=_multipart("t.csv.gz", bomb, job), headers=AUTH)
+    assert r.status_code == 413, r.text[:300]
+    assert not any((svc.data_dir / "uploads").iterdir())
+    svc.check_plan = lambda _j, _b: None
+    r = client.post("/v1/studies", files=_multipart("t.csv", _rows(500), job), headers=AUTH)
+    assert r.status_code == 201, r.text[:300]
+
+
+async def _stream_post(app: Any, path: str, ctype: str, chunks: Any) -> tuple[int, bytes]:
+    """POST ``chunks`` (made as they are sent, never all in memory) to an ASGI app, the way a
+    server hands a body over: one message a chunk."""
+    import anyio
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"authorization", AUTH["Authorization"].encode()),
+            (b"content-type", ctype.encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    pending = iter(chunks)
+    status, body = 0, []
+
+    async def receive() -> dict[str, Any]:
+        await anyio.sleep(0)
+        chunk = next(pending, None)
+        if chunk is None:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(body)
+
+
+def test_a_large_multipart_trace_streams_to_disk_not_into_memory(tmp_path: Path) -> None:
+    """A 24 MiB trace part: parsed as it arrives, spooled to disk and copied in chunks; the
+    replica's memory never holds the body (before: the whole body, then the whole part)."""
+    import anyio
+
+    size = 24 * 1024**2
+    svc = make_service(tmp_path, FakeLauncher(), max_upload_bytes=32 * 1024**2)
+    app = create_app(svc)
+    boundary = "b0undary"
+    line = b"2023-11-16 18:17:03.9799600,4808,10" + b"0" * 90 + b"\n"  # 126 bytes, < 200k rows
+
+    def chunks() -> Any:
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="job"\r\n\r\n'
+            f"{json.dumps(job_doc('stream'))}\r\n--{boundary}\r\n"
+            'Content-Disposition: form-data; name="trace"; filename="t.csv"\r\n'
+            "Content-Type: text/csv\r\n\r\nTIMESTAMP,ContextTokens,GeneratedTokens\n"
+        ).encode()
+        for _ in range(size // (512 * len(line))):
+            yield line * 512  # 64 KiB, made as sent
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    tracemalloc.start()
+    try:
+        status, body = anyio.run(
+            _stream_post, app, "/v1/studies", f"multipart/form-data; boundary={boundary}", chunks()
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert status == 201, body[:300]
+    stored = Path(svc.get(json.loads(body)["id"]).job["trace"]["path"])
+    assert stored.stat().st_size > 23 * 1024**2
+    assert peak < 8 * 1024**2, f"{peak / 1024**2:.1f} MiB"  # 2 MiB here; 72 MiB before
