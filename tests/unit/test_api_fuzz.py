@@ -7,6 +7,10 @@ token, no generated request (positive or negative) may get a 5xx; without one, e
 (one queued, one running with a baseline and a winner) so the fuzz reaches the detail, trial,
 cancel and export code rather than only the 404s of random ids; and valid jobs with one key
 set to arbitrary JSON and any time window reach the job loader and the scheduler's times.
+Control characters (NUL, line breaks as YAML reads them, escapes, bidi overrides) go into every
+string field: schemathesis's own strings may hold them (``allow_x00``, UTF-8), and valid
+submissions with one control character in any string or key of the job or its envelope must
+be refused naming the key (issue 24), never accepted or answered with a 5xx.
 Derandomized (the same cases every run); ``-s`` prints the case counts and statuses.
 """
 
@@ -33,8 +37,9 @@ from schemathesis.checks import not_a_server_error
 from optimizer.service.api import create_app
 from optimizer.service.facade import JobService
 from optimizer.service.study_host import DriverStatus
+from optimizer.text import text_problem
 from tests.unit.test_api import AUTH, fake_study
-from tests.unit.test_jobs import FakeLauncher, job_doc, make_service, submit
+from tests.unit.test_jobs import TRACE, FakeLauncher, job_doc, make_service, submit
 
 OPERATIONS = {
     "GET /healthz",
@@ -51,6 +56,7 @@ AUTHED_EXAMPLES = 50
 ANON_EXAMPLES = 10
 MUTANT_EXAMPLES = 100
 HOSTILE_EXAMPLES = 60
+CONTROL_EXAMPLES = 80
 
 CASES: Counter[str] = Counter()  # requests sent, by pass and operation
 STATUSES: Counter[str] = Counter()  # what they got, with a token
@@ -86,7 +92,8 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_App]:
 def api_schema(fuzz_app: _App) -> schemathesis.BaseSchema:
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app.app, headers=AUTH)
     # The tests send the token (or none) themselves: no generated, dropped or mangled one.
-    schema.config.generation.update(with_security_parameters=False)
+    # Every generated string may hold NUL and any other control character.
+    schema.config.generation.update(with_security_parameters=False, allow_x00=True, codec="utf-8")
     return schema
 
 
@@ -168,16 +175,77 @@ def _mutant_job(draw: st.DrawFn) -> dict[str, Any]:
 
 def _aim(case: Case[Any], data: st.DataObject, ids: list[str]) -> None:
     """Sometimes aim the case at a real study or trial (else random ids only answer 404), and
-    sometimes send a mutated valid job."""
+    sometimes send a mutated valid job, or one with a control character in a string."""
     params = case.path_parameters or {}
     if "study_id" in params:
         params["study_id"] = data.draw(st.sampled_from([params["study_id"], *ids, *ids]))
         if "number" in params:
             params["number"] = data.draw(st.sampled_from([params["number"], 0, 1]))
-    if case.method == "POST" and case.path == "/v1/studies" and data.draw(st.booleans()):
-        case.media_type = "application/json"
-        case.body = data.draw(_mutant_job())
-        STATUSES["(POST /v1/studies sent a mutated job)"] += 1
+    if case.method == "POST" and case.path == "/v1/studies":
+        kind = data.draw(st.sampled_from(["generated", "mutated", "control"]))
+        if kind != "generated":
+            case.media_type = "application/json"
+            mutant = data.draw(_mutant_job()) if kind == "mutated" else None
+            case.body = mutant if mutant is not None else data.draw(_control_job())[0]
+            STATUSES[f"(POST /v1/studies sent a {kind} job)"] += 1
+
+
+# Issue 24: one control character in any string (a value or a key) of a valid submission.
+_CONTROLS = st.sampled_from(
+    [
+        "\n",
+        "\r",
+        "\r\n",
+        "\x00",
+        "\t",
+        "\x1b",
+        "\x7f",
+        "\x85",
+        "\u2028",
+        "\u2029",
+        "\u202e",
+        "\ufeff",
+    ]
+)
+_UPLOAD = {"filename": "t.csv", "content_b64": base64.b64encode(TRACE.read_bytes()).decode()}
+_ENVELOPES = [
+    {"job": _JOB, "not_before": "2030-01-01T00:00:00", "until": "2031-01-01T00:00:00"},
+    {"job": _JOB, "trace_upload": _UPLOAD},
+]
+
+
+def _strings(doc: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], bool]]:
+    """(key path, is the key itself) of every key and every string value of a document."""
+    out: list[tuple[tuple[str, ...], bool]] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            out.append(((*prefix, key), True))
+            out.extend(_strings(value, (*prefix, key)))
+    elif isinstance(doc, str):
+        out.append((prefix, False))
+    return out
+
+
+_PLACES = [(i, path, is_key) for i, env in enumerate(_ENVELOPES) for path, is_key in _strings(env)]
+
+
+@st.composite
+def _control_job(draw: st.DrawFn) -> tuple[dict[str, Any], tuple[str, ...], bool]:
+    """A valid submission with one control character put into one string or key: (body, where,
+    whether the key itself)."""
+    i, path, is_key = draw(st.sampled_from(_PLACES))
+    doc = copy.deepcopy(_ENVELOPES[i])
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    text = path[-1] if is_key else node[path[-1]]
+    at = draw(st.integers(0, len(text)))
+    changed = text[:at] + draw(_CONTROLS) + text[at:]
+    if is_key:
+        node[changed] = node.pop(path[-1])
+    else:
+        node[path[-1]] = changed
+    return doc, path, is_key
 
 
 def test_no_server_errors_with_a_token(api_schema: schemathesis.BaseSchema, fuzz_app: _App) -> None:
@@ -211,6 +279,34 @@ def test_mutated_jobs_are_refused_not_crashed(api_schema: schemathesis.BaseSchem
         CASES["mutated POST /v1/studies"] += 1
         response = case.call_and_validate(checks=[not_a_server_error])
         STATUSES[f"mutated POST /v1/studies -> {response.status_code}"] += 1
+
+    fuzz()
+
+
+def test_a_control_character_in_any_string_is_refused_naming_the_key(
+    api_schema: schemathesis.BaseSchema, fuzz_app: _App
+) -> None:
+    """Never a 201 that would carry it into a plan, a command line or an export (an uploaded
+    file's name excepted: the service stores it under a clean name), never a 5xx; a changed
+    value's key is named in the answer."""
+    submit_op = api_schema["/v1/studies"]["POST"]
+
+    @settings(_FUZZ, max_examples=CONTROL_EXAMPLES)
+    @given(drawn=_control_job())
+    def fuzz(drawn: tuple[dict[str, Any], tuple[str, ...], bool]) -> None:
+        body, path, is_key = drawn
+        case = submit_op.Case(body=body, media_type="application/json", headers=dict(AUTH))
+        CASES["control POST /v1/studies"] += 1
+        response = case.call_and_validate(checks=[not_a_server_error])
+        STATUSES[f"control POST /v1/studies -> {response.status_code}"] += 1
+        if path == ("trace_upload", "filename") and not is_key:
+            assert response.status_code == 201, response.text[:300]
+            stored = fuzz_app.service.get(response.json()["id"]).job["trace"]["path"]
+            assert text_problem(stored) is None
+            return
+        assert response.status_code in (403, 422), (path, is_key, response.text[:300])
+        if not is_key:
+            assert path[-1] in response.json()["detail"], (path, response.text[:300])
 
     fuzz()
 
