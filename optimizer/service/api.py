@@ -409,7 +409,8 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     are read (so a password never has to appear in a manifest).
 
     Raises:
-        ConfigError: No token configured, an unknown key, or a row limit below 1.
+        ConfigError: No token configured, an unknown key, a row limit below 1, or an
+            ``allow_hub_models`` that is not a boolean.
     """
     unknown = sorted(set(args) - _SETTINGS_KEYS)
     if unknown:
@@ -420,6 +421,9 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
     max_rows = int(args.get("max_trace_rows") or DEFAULT_MAX_TRACE_ROWS)
     if max_rows < 1:
         raise ConfigError(f"max_trace_rows {max_rows}: give 1 or more")
+    hub = args.get("allow_hub_models", False)
+    if not isinstance(hub, bool):  # a YAML "false" in quotes would be true
+        raise ConfigError(f"allow_hub_models {hub!r}: give true or false")
     return ServiceSettings(
         database_url=args.get("database_url")
         or os.environ.get(DATABASE_ENV)
@@ -428,7 +432,7 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
         trace_roots=_folders(args.get("trace_roots")),
         tokens=_tokens(args.get("token_file")),
         model_roots=_folders(args.get("model_roots")),
-        allow_hub_models=bool(args.get("allow_hub_models", False)),
+        allow_hub_models=hub,
         mlflow_uri=args.get("mlflow_uri") or None,
         max_concurrent=(
             int(args["max_concurrent"]) if args.get("max_concurrent") is not None else None

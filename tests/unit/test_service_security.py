@@ -825,3 +825,30 @@ def test_a_large_multipart_trace_streams_to_disk_not_into_memory(tmp_path: Path)
     stored = Path(svc.get(json.loads(body)["id"]).job["trace"]["path"])
     assert stored.stat().st_size > 23 * 1024**2
     assert peak < 8 * 1024**2, f"{peak / 1024**2:.1f} MiB"  # 2 MiB here; 72 MiB before
+
+
+def test_hub_names_and_the_row_limit_are_the_operators_serve_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from optimizer import cli
+    from optimizer.errors import ConfigError
+    from optimizer.service import api
+
+    seen: list[Any] = []
+
+    def run_service(settings: Any, **_kw: Any) -> str:
+        seen.append(settings)
+        return "http://127.0.0.1:8000"
+
+    monkeypatch.setattr(api, "run_service", run_service)
+    monkeypatch.setenv("VLLM_AUTOTUNE_TOKENS", "t")
+    argv = ["serve", "--data-dir", str(tmp_path), "--detach"]
+    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--allow-hub-models", "--max-trace-rows", "1000"]) == 0
+    default, chosen = seen
+    assert (default.allow_hub_models, default.max_trace_rows) == (False, 200_000)
+    assert (chosen.allow_hub_models, chosen.max_trace_rows) == (True, 1000)
+    with pytest.raises(ConfigError, match="allow_hub_models"):
+        settings_from_args({"data_dir": str(tmp_path), "allow_hub_models": "false"})
+    with pytest.raises(ConfigError, match="max_trace_rows"):
+        settings_from_args({"data_dir": str(tmp_path), "max_trace_rows": -1})
