@@ -397,7 +397,17 @@ class JobConfig(_Strict):
 
 
 def _resolve(path: str, base: Path) -> Path:
-    p = Path(path).expanduser()
+    """``path`` (``~`` expanded) against ``base``.
+
+    Raises:
+        ConfigError: ``~name`` of a user this machine does not know.
+    """
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"{path[:200]!r}: no home folder for its '~' on this machine; give the full path"
+        ) from None
     return p if p.is_absolute() else (base / p).resolve()
 
 

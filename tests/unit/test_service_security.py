@@ -852,3 +852,19 @@ def test_hub_names_and_the_row_limit_are_the_operators_serve_flags(
         settings_from_args({"data_dir": str(tmp_path), "allow_hub_models": "false"})
     with pytest.raises(ConfigError, match="max_trace_rows"):
         settings_from_args({"data_dir": str(tmp_path), "max_trace_rows": -1})
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"model": {"path": "~no-such-user-x/m"}},
+        {"model": {"path": "~no-such-user-x/m", "make": "tiny"}},
+        {"trace": {"path": "~no-such-user-x/t.csv"}},
+        {"search_space": "~no-such-user-x/space"},
+    ],
+)
+def test_the_home_folder_of_an_unknown_user_is_a_4xx(
+    client: TestClient, over: dict[str, Any]
+) -> None:
+    r = _post(client, job_doc("home", **over))
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])  # was a 500
