@@ -201,7 +201,8 @@ class JobService:
         notes = self._store_upload(doc, sub, upload, upload_dir)
         notes += self._service_owned_keys(doc, job_id)
         job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
-        job = self._check_files(job, upload_dir)
+        # the model path as given: load_job resolves a relative one that exists beside its base
+        job = self._check_files(job, upload_dir, str(doc["model"]["path"]))
         self._check_space(job)
         self._check_trace_size(job, upload_dir)
         self._prepare(job, base)
@@ -294,11 +295,12 @@ class JobService:
             model["path"] = str(self.models_dir / path)  # a relative target: ours
         return notes
 
-    def _check_files(self, job: JobConfig, upload_dir: Path) -> JobConfig:
-        """The model, the trace and a search-space file only where the operator allows (each
-        path resolved and checked before anything is read: an answer never says whether a
-        file outside the roots exists); returns the job with its model placed."""
-        job = self._place_model(job)
+    def _check_files(self, job: JobConfig, upload_dir: Path, model: str) -> JobConfig:
+        """The model (``model``: its path as submitted), the trace and a search-space file only
+        where the operator allows (each path resolved and checked before anything is read: an
+        answer never says whether a file outside the roots exists); returns the job with its
+        model placed."""
+        job = self._place_model(job, model)
         trace_path = Path(job.trace.path)
         if not self._under_roots(trace_path, [upload_dir]):
             raise SubmissionRefused(
@@ -335,11 +337,11 @@ class JobService:
                 ml["tracking_uri"] = self.settings.mlflow_uri
         return notes
 
-    def _place_model(self, job: JobConfig) -> JobConfig:
+    def _place_model(self, job: JobConfig, given: str) -> JobConfig:
         """The job with its model where the operator allows: made only under DATA_DIR/models;
-        read under the model roots (a relative path is looked for under each root, never
-        beside the service's working directory); else a hub name, where the operator allows
-        them (``--allow-hub-models``).
+        read under the model roots (a relative path, as ``given``, is looked for under each
+        root, never beside the service's working directory or the job's base folder); else a
+        hub name, where the operator allows them (``--allow-hub-models``).
 
         Raises:
             SubmissionRefused: (403) A model outside the roots, or a hub name the operator
@@ -356,7 +358,7 @@ class JobService:
                 )
             return job
         roots = ", ".join(str(r) for r in self.model_roots)
-        if Path(path).is_absolute():
+        if Path(given).expanduser().is_absolute():
             if not security.under(path, self.model_roots):
                 raise SubmissionRefused(
                     f"model.path: outside the service's model roots ({roots}): ask the "
@@ -365,10 +367,9 @@ class JobService:
                     status=403,
                 )
             return job
-        found = self._find_in_model_roots(path)
-        if found is not None:
-            return job.model_copy(update={"model": job.model.model_copy(update={"path": found})})
-        return self._hub_model(job, roots)
+        found = self._find_in_model_roots(given)
+        placed = found if found is not None else self._hub_model(given, roots)
+        return job.model_copy(update={"model": job.model.model_copy(update={"path": placed})})
 
     def _find_in_model_roots(self, path: str) -> str | None:
         """``root/path`` for the first model root that holds it (never a path that leaves
@@ -379,9 +380,8 @@ class JobService:
                 return str(candidate)
         return None
 
-    def _hub_model(self, job: JobConfig, roots: str) -> JobConfig:
+    def _hub_model(self, path: str, roots: str) -> str:
         """A model name found under no model root: a hub name, if the operator allows them."""
-        path = job.model.path
         if not self.settings.allow_hub_models:
             raise SubmissionRefused(
                 f"model.path {path[:200]!r}: not a model under the service's model roots "
@@ -396,7 +396,7 @@ class JobService:
                 f"({roots}) nor a hub name (ORG/NAME: letters, digits, '.', '_' and '-', no "
                 "'..')"
             )
-        return job
+        return path
 
     @staticmethod
     def _check_space(job: JobConfig) -> None:

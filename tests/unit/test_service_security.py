@@ -685,6 +685,11 @@ def test_a_relative_model_path_is_looked_for_under_the_model_roots_only(
         assert r.status_code == (422 if hub else 403), (path, r.text[:300])
         answers.add(r.json()["detail"].replace(path, "PATH"))
     assert len(answers) == 1, answers  # the same whether or not the folder exists
+    beside_base = []  # a name beside the job's base folder (the first trace root) or not
+    for path in (TRACE.name, "missing.csv"):
+        r = _post(client, job_doc("rel", model={"path": path}))
+        beside_base.append((r.status_code, r.json().get("detail", "").replace(path, "PATH")))
+    assert beside_base[0] == beside_base[1] and beside_base[0][0] == (201 if hub else 403)
     r = _post(client, job_doc("rel", model={"path": "team/m"}))  # found under a model root
     assert r.status_code == 201, r.text[:300]
     assert svc.get(r.json()["id"]).job["model"]["path"] == str(models / "team" / "m")
