@@ -277,6 +277,12 @@ class JobService:
                 "stability.after_study: ignored; the service runs no stability stage (run "
                 "`vllm-autotune stability` on the study folder)"
             )
+        if doc.get("warm_start") is not None:
+            # Folders of earlier studies: paths of this machine, another team's included.
+            raise ConfigError(
+                "warm_start: the service does not read earlier study folders; remove the key "
+                "(enqueue the configurations to start from under enqueue:)"
+            )
         engine = doc.get("engine")
         if isinstance(engine, dict):
             if engine.get("python"):

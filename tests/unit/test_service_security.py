@@ -192,6 +192,15 @@ def test_the_stability_stage_is_not_run_by_the_service_and_it_says_so(
     assert stability["after_study"] is False and stability["minutes"] == 5
 
 
+def test_a_warm_start_from_study_folders_is_refused(client: TestClient, tmp_path: Path) -> None:
+    """Earlier study folders are paths of the service's machine (another team's studies too):
+    the service reads none, whether or not the folder exists, and says what to do instead."""
+    for folder in (str(tmp_path), "/nowhere/at/all"):
+        r = _post(client, job_doc("warm", warm_start={"studies": [folder]}))
+        assert r.status_code == 422, r.text
+        assert "warm_start" in r.text and "enqueue" in r.text and folder not in r.text
+
+
 # --- 3. parsing with limits; malformed input is a 4xx that quotes nothing -----------------------
 
 
