@@ -17,6 +17,7 @@ FAKE_SERVER = (
     "import os, signal, time\n"
     "if os.fork() == 0:\n"
     "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "    open(os.environ.get('FAKE_SERVER_READY', os.devnull), 'w').close()\n"
     "    time.sleep(600)\n"
     "time.sleep(600)\n"
 )
@@ -91,9 +92,20 @@ def test_guard_kills_group_when_owner_dies(tmp_path: Path) -> None:
 
 
 def test_teardown_escalates_to_sigkill_and_waits_for_empty_group(tmp_path: Path) -> None:
-    launcher = subprocess.Popen(_guard_argv(os.getpid(), tmp_path / "x"), start_new_session=True)
+    ready = tmp_path / "ready"
+    launcher = subprocess.Popen(
+        _guard_argv(os.getpid(), tmp_path / "x"),
+        start_new_session=True,
+        env={**os.environ, "FAKE_SERVER_READY": str(ready)},
+    )
     launcher.wait(timeout=10)
     _wait_members(launcher.pid, 3)
+    # The grandchild is a member as soon as it is forked, before it ignores SIGTERM: a
+    # teardown in between would end it at SIGTERM (seen under load). Wait until it ignores it.
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     t0 = time.monotonic()
     assert _kill_group_and_wait(launcher.pid, grace_s=1.0)
     assert group_alive_pids(launcher.pid) == []
