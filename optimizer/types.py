@@ -60,11 +60,16 @@ class Trace:
         requests: Requests sorted by ``arrival_s``.
         block_size: Tokens per prefix block of ``TraceRequest.prefix_blocks``.
         source: Where the trace came from (file name and format), for reports.
+        preroll: Requests of the stretch before a window, in arrival order (``arrival_s``
+            relative to the window's start, so negative): sent before the measured replay to
+            warm the server's prefix cache as production's would be, never measured
+            (:func:`optimizer.workload.shaping.time_window`). Empty for a whole trace.
     """
 
     requests: tuple[TraceRequest, ...]
     block_size: int = 512
     source: str = ""
+    preroll: tuple[TraceRequest, ...] = ()
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -231,7 +231,8 @@ def explain_unmet(view: TrialView, cap: CapacityView) -> list[str]:
         tpot_floor = f.get("tpot_floor_ms", math.nan)
         if "ttft" in slo.metric and not math.isnan(ttft_floor):
             burst = (
-                f"the trace's largest same-instant arrival is {f.get('burst_requests', 0):.0f} "
+                f"the trace's largest burst (arrivals within 50 ms) is "
+                f"{f.get('burst_requests', 0):.0f} "
                 f"requests with {f.get('burst_prompt_tokens', 0):,.0f} prompt tokens, and this "
                 f"server prefilled at most {f['prefill_tokens_per_s']:,.0f} tokens/s, so the "
                 f"last of them waits at least {ttft_floor:,.0f} ms"

@@ -38,7 +38,7 @@ from optimizer.types import RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
 from optimizer.workload.shaping import scale_rate
-from optimizer.workload.stats import largest_burst
+from optimizer.workload.stats import BURST_WINDOW_S, largest_burst
 
 __all__ = [
     "ClientCouldNotKeepUp",
@@ -95,7 +95,8 @@ def slo_floors(trace: Trace, records: Sequence[RequestRecord]) -> dict[str, floa
 
     - ``prefill_tokens_per_s``: the fastest prefill any request of the step saw
       (prompt tokens / TTFT): an upper bound on the server's prefill rate;
-    - ``burst_prompt_tokens`` / ``burst_requests``: the trace's largest same-instant arrival;
+    - ``burst_prompt_tokens`` / ``burst_requests``: the trace's largest burst (arrivals within
+      :data:`~optimizer.workload.stats.BURST_WINDOW_S` of each other: a jittered tick is one);
     - ``ttft_floor_ms``: that burst's tokens / the prefill rate: the TTFT of the burst's last
       request cannot be lower, whatever the scheduler does;
     - ``tpot_floor_ms``: the smallest TPOT of any request (a decode step with the lightest
@@ -116,7 +117,7 @@ def slo_floors(trace: Trace, records: Sequence[RequestRecord]) -> dict[str, floa
         if r.output_tokens > 1 and r.first_token_s is not None:
             last = r.chunk_times_s[-1] if r.chunk_times_s else r.end_s
             tpots.append((last - r.first_token_s) / (r.output_tokens - 1) * 1000.0)
-    burst = largest_burst(trace)
+    burst = largest_burst(trace, within_s=BURST_WINDOW_S)
     n, tokens = burst.requests, burst.prompt_tokens
     out: dict[str, float] = {"burst_prompt_tokens": float(tokens), "burst_requests": float(n)}
     if rates:

@@ -28,7 +28,7 @@ import numpy as np
 
 from optimizer.errors import ConfigError
 from optimizer.types import Trace, TraceRequest
-from optimizer.workload.stats import CLOCK_NOTE, inspect_trace, timestamp_resolution
+from optimizer.workload.stats import BURST_WINDOW_S, CLOCK_NOTE, clock_tick, inspect_trace
 
 __all__ = [
     "ShapeReport",
@@ -54,8 +54,10 @@ _REPORTED = (
     "p95_output_tokens",
     "p99_output_tokens",
     "prefix_reuse_ratio",
-    "max_same_instant_requests",
-    "max_same_instant_prompt_tokens",
+    "prefix_reuse_ratio_warm",
+    "preroll_requests",
+    "max_burst_requests",
+    "max_burst_prompt_tokens",
 )
 
 
@@ -69,8 +71,11 @@ class ShapeReport:
         detail: The step's parameters in words.
         changed_requests: Requests removed, or whose arrival or lengths were altered.
         before: Request count, duration, mean rate, input/output P50/P95/P99, prefix reuse
-            ratio and largest same-instant burst (requests, prompt tokens) of the input trace
-            (keys as in :func:`~optimizer.workload.stats.inspect_trace`).
+            ratio (cold, and after the pre-roll), pre-roll requests and largest burst (requests,
+            prompt tokens; arrivals within
+            :data:`~optimizer.workload.stats.BURST_WINDOW_S` count as one burst, so a spread
+            that only moves a jittered tick's requests by a millisecond cannot claim it gone)
+            of the input trace (keys as in :func:`~optimizer.workload.stats.inspect_trace`).
         after: The same for the output trace.
     """
 
@@ -153,23 +158,25 @@ def time_window(
 def spread_ticks(
     trace: Trace, tick_s: float | None = None, seed: int = 0, *, clock_of: Trace | None = None
 ) -> tuple[Trace, ShapeReport]:
-    """Spread the requests that share one arrival instant uniformly over their clock tick.
+    """Spread the requests that arrive in one clock tick uniformly over the tick.
 
     A coarse clock (the Mooncake conversation trace records arrivals in 3-second ticks) stamps
-    every request of a tick with the tick's start, and a replay would send them all at once.
-    Each group of two or more requests with equal ``arrival_s`` ``t`` gets arrivals drawn
-    uniformly from ``[t, t + tick_s)`` by a seeded ``numpy.random.Generator``; the draws are
-    sorted and handed out in the group's file order, so the request order is unchanged and the
-    trace stays sorted. The interval is cut at the next recorded instant when that comes
-    sooner (a ``tick_s`` larger than the clock's), so no request overtakes a later instant.
-    Requests alone at their instant keep their time. Lengths, prefix blocks and sessions are
-    untouched.
+    every request of a tick with the tick's start, give or take a few milliseconds of jitter,
+    and a replay would send them all at once. Requests belong to one tick when each arrives
+    less than ``min(tick_s / 2, BURST_WINDOW_S)`` after the one before (exactly equal
+    arrivals on a clean clock; a jittered tick's cluster). Each group of two or more, starting
+    at ``t``, gets arrivals drawn uniformly from ``[t, t + tick_s)`` by a seeded
+    ``numpy.random.Generator``; the draws are sorted and handed out in the group's file order,
+    so the request order is unchanged and the trace stays sorted. The interval is cut at the
+    next group's first arrival when that comes sooner (a ``tick_s`` larger than the clock's),
+    so no request overtakes a later tick. Requests alone in their tick keep their time.
+    Lengths, prefix blocks, sessions and a pre-roll are untouched.
 
     Args:
         trace: The trace.
         tick_s: The clock's tick in seconds; None detects it with
-            :func:`~optimizer.workload.stats.timestamp_resolution` (with only a few distinct
-            instants the detected step can be a multiple of the real tick: give it then).
+            :func:`~optimizer.workload.stats.clock_tick` (jitter-tolerant; with only a few
+            ticks the detected step can be a multiple of the real tick: give it then).
         seed: Seed of the generator.
         clock_of: Detect the tick on this trace instead (:func:`shape` passes the trace before
             its window: a window can keep only instants that lie on a coarser grid).
@@ -184,21 +191,21 @@ def spread_ticks(
     source = "given"
     if tick_s is None:
         source = "detected" if clock_of is None else "detected before the window"
-        tick_s = timestamp_resolution(trace if clock_of is None else clock_of)
+        tick_s = clock_tick(trace if clock_of is None else clock_of)
         _check(
             tick_s > 0,
-            "spread_ticks cannot detect the clock's tick (fewer than two distinct arrival "
-            "times): set tick_s",
+            "trace.shaping.spread_ticks cannot detect the clock's tick (fewer than two distinct "
+            "arrival times): set trace.shaping.tick_s",
         )
     _check(tick_s > 0 and math.isfinite(tick_s), f"tick_s must be > 0, got {tick_s}")
     rng = np.random.default_rng(seed)
     arrivals_s = np.array([r.arrival_s for r in trace.requests], dtype=np.float64)
     spread = arrivals_s.copy()
     n = arrivals_s.size
-    # Equal arrivals form runs, since the trace is sorted: run k is [starts[k], ends[k]).
-    new_instant = np.ones(n, dtype=bool)
-    new_instant[1:] = arrivals_s[1:] != arrivals_s[:-1]
-    starts = np.flatnonzero(new_instant)
+    # A tick's requests form runs, since the trace is sorted: run k is [starts[k], ends[k]).
+    new_tick = np.ones(n, dtype=bool)
+    new_tick[1:] = np.diff(arrivals_s) >= min(tick_s / 2, BURST_WINDOW_S)
+    starts = np.flatnonzero(new_tick)
     ends = np.append(starts[1:], n)[: starts.size]
     groups = 0
     for first, stop in zip(starts.tolist(), ends.tolist(), strict=True):
@@ -217,7 +224,7 @@ def spread_ticks(
             for r, new in zip(trace.requests, spread.tolist(), strict=True)
         ],
     )
-    detail = f"tick {tick_s:g} s ({source}), {groups} shared instants, seed {seed}"
+    detail = f"tick {tick_s:g} s ({source}), {groups} shared ticks, seed {seed}"
     return shaped, _report("spread_ticks", detail, moved, trace, shaped)
 
 

@@ -90,7 +90,8 @@ def test_regular_arrivals_have_zero_burstiness() -> None:
 def test_empty_and_single_request_traces() -> None:
     empty = inspect_trace(Trace(requests=()))
     assert empty["requests"] == 0
-    assert all(v == 0 for k, v in empty.items() if k != "source" and k != "block_size")
+    settings = ("source", "block_size", "burst_window_s")
+    assert all(v == 0 for k, v in empty.items() if k not in settings)
     single = inspect_trace(Trace(requests=(TraceRequest(3.0, 7, 2),)))
     assert (single["requests"], single["duration_s"], single["mean_rate_rps"]) == (1, 0.0, 0.0)
     assert (single["peak_rate_rps"], single["p99_input_tokens"]) == (1, 7)
