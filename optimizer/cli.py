@@ -199,10 +199,20 @@ def _add_shaping(p: argparse.ArgumentParser) -> None:
         "from the file's own first arrival (for a slice, the slice's start)",
     )
     g.add_argument(
+        "--preroll",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --window: the requests of this stretch before it warm the prefix cache "
+        "before the replay, never measured (default: enough to cover the window's prefix "
+        "references; 0: none)",
+    )
+    g.add_argument(
         "--spread-ticks",
         action="store_true",
-        help="spread requests that share one arrival instant uniformly over their clock tick "
-        "(seeded; for coarse clocks such as the Mooncake conversation trace's 3 s ticks)",
+        help="spread requests that arrive in one clock tick (jitter within 50 ms included) "
+        "uniformly over the tick (seeded; for coarse clocks such as the Mooncake conversation "
+        "trace's 3 s ticks)",
     )
     g.add_argument(
         "--tick-s",
@@ -263,6 +273,7 @@ def shape_spec_from(ns: argparse.Namespace) -> Any:
             raise ConfigError(f"--window {ns.window!r}: expected START:END in seconds, e.g. 0:600")
     return ShapeSpec(
         window_s=window,
+        preroll_s=ns.preroll,
         spread_ticks=ns.spread_ticks,
         tick_s=ns.tick_s,
         sample_fraction=ns.sample,
@@ -315,6 +326,11 @@ def cmd_trace_convert(ns: argparse.Namespace) -> int:
     else:
         write_trace(trace, ns.out)
         console.print(f"wrote {len(trace)} requests to {ns.out}")
+    if trace.preroll:
+        console.print(
+            f"not written: the window's pre-roll ({len(trace.preroll)} requests); replay the "
+            "original file with --window to have it, or --preroll 0 to say it is not wanted"
+        )
     console.print(render_inspect(inspect_trace(trace), title="Converted trace"))
     return 0
 

@@ -133,6 +133,10 @@ class ShapingSection(_Strict):
     """Trace shaping for every trial (see :mod:`optimizer.workload.shaping`)."""
 
     window_s: tuple[float, float | None] | None = None  # seconds from the file's first arrival
+    # Seconds before the window whose requests warm the prefix cache before every replay (and
+    # again after every prefix-cache reset between capacity steps), never measured. None:
+    # enough to cover the window's prefix references; 0: no pre-roll. Only with window_s.
+    preroll_s: float | None = Field(default=None, ge=0)
     spread_ticks: bool = False
     tick_s: float | None = Field(default=None, gt=0)
     sample_fraction: float | None = Field(default=None, gt=0, le=1)

@@ -20,6 +20,12 @@ Connections do not race the server's idle timeout: they expire on the client fir
 reused connection as idle (after a stall of the server) is sent once more on a fresh connection
 (``ReplayResult.retried``). Transport failures are recorded with the OS error under them
 (:func:`describe_error`).
+
+A trace cut from a longer one can carry a pre-roll (:attr:`~optimizer.types.Trace.preroll`,
+the requests before its window): the replay first sends it, as prompts of their prefix blocks
+with one output token each and the replay's own seed (so the prefix tokens are those the trace
+will send), waits until all of it has finished, and only then starts the trace's clock. Nothing
+of the pre-roll is in the result's records; ``ReplayResult.preroll_requests`` counts it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import importlib
 import itertools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +52,7 @@ from optimizer.errors import ReplayError
 from optimizer.types import RequestRecord, Trace
 from optimizer.workload.http11 import LeanTransport
 from optimizer.workload.prompts import TokenRange, build_prompt_ids
+from optimizer.workload.shaping import preroll_trace
 from optimizer.workload.sse import DoneEvent, ErrorEvent, SSEParser, TextEvent, UsageEvent
 
 __all__ = [
@@ -263,6 +271,9 @@ class ReplayResult:
         stop_reason: Why the replay stopped early ("" when it did not).
         retried: Requests sent a second time, on a fresh connection, because the server
             closed their idle connection as they were sent (``ReplayOptions.retry_reset``).
+        preroll_requests: Requests of the trace's pre-roll sent (and finished) before the
+            trace's clock started; never in ``records``.
+        preroll_failed: How many of them failed (a cache that is not as warm as meant).
     """
 
     records: tuple[RequestRecord, ...]
@@ -276,6 +287,8 @@ class ReplayResult:
     message: str = ""
     stop_reason: str = ""
     retried: int = 0
+    preroll_requests: int = 0
+    preroll_failed: int = 0
 
     @property
     def failed(self) -> int:
@@ -800,6 +813,7 @@ async def replay(
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
     opts = _options(options, overrides)
+    warm = await _preroll(trace, url, model, vocab=vocab, seed=seed, opts=opts, transport=transport)
     clock = clock if clock is not None else MonotonicClock()
     scheduled_s = _schedule(trace, opts)
     bodies = build_request_bodies(
@@ -831,7 +845,50 @@ async def replay(
         )
         run.t0 = clock.now() if opts.start_at is None else opts.start_at
         stopped_early, stop_reason = await _run_until_stopped(run, clock, opts, stop_check)
-    return _result(run, clock, opts, stopped_early, stop_reason)
+    result = _result(run, clock, opts, stopped_early, stop_reason)
+    return dataclasses.replace(result, preroll_requests=warm[0], preroll_failed=warm[1])
+
+
+async def _preroll(
+    trace: Trace,
+    url: str,
+    model: str,
+    *,
+    vocab: TokenRange,
+    seed: int,
+    opts: ReplayOptions,
+    transport: httpx.AsyncBaseTransport | None,
+) -> tuple[int, int]:
+    """Send the trace's pre-roll (:func:`~optimizer.workload.shaping.preroll_trace`), all at
+    once, and wait for every request of it; returns (requests, failed)."""
+    warm = preroll_trace(trace)
+    if not warm.requests:
+        return 0, 0
+    result = await replay(
+        warm,
+        url,
+        model,
+        vocab=vocab,
+        seed=seed,
+        options=dataclasses.replace(
+            opts,
+            warmup_requests=len(warm),
+            max_duration_s=None,
+            max_send_lag_ms=math.inf,
+            start_at=None,
+            schedule_origin_s=None,
+            prompt_indices=None,
+        ),
+        transport=transport,
+    )
+    if result.failed:
+        logger.warning(
+            "pre-roll: %d of %d requests failed (%s)",
+            result.failed,
+            len(warm),
+            next(r.error for r in result.records if r.error),
+        )
+    return len(warm), result.failed
 
 
 def _schedule(trace: Trace, opts: ReplayOptions) -> list[float]:
@@ -1054,6 +1111,32 @@ def _replay_part(
     return asyncio.run(replay(trace, url, model, vocab=vocab, seed=seed, options=options))
 
 
+def _preroll_first(
+    trace: Trace,
+    url: str,
+    model: str,
+    vocab: TokenRange,
+    seed: int,
+    options: ReplayOptions | None,
+) -> tuple[Trace, tuple[int, int]]:
+    """A multi-process replay's pre-roll, sent once from here: the trace without it, and the
+    pre-roll's (requests, failed)."""
+    if not trace.preroll:
+        return trace, (0, 0)
+    warm = asyncio.run(
+        _preroll(
+            trace,
+            url,
+            model,
+            vocab=vocab,
+            seed=seed,
+            opts=_options(options, {}),
+            transport=None,
+        )
+    )
+    return dataclasses.replace(trace, preroll=()), warm
+
+
 def _run_in_processes(
     trace: Trace, url: str, model: str, processes: int, kwargs: dict[str, Any]
 ) -> ReplayResult:
@@ -1066,6 +1149,7 @@ def _run_in_processes(
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
     vocab, seed = kwargs.pop("vocab"), kwargs.pop("seed")
+    trace, warm = _preroll_first(trace, url, model, vocab, seed, kwargs.get("options"))
     options = _options(
         kwargs.pop("options", None),
         {
@@ -1126,4 +1210,6 @@ def _run_in_processes(
         message=message,
         stop_reason=next((r.stop_reason for r in results if r.stop_reason), ""),
         retried=sum(r.retried for r in results),
+        preroll_requests=warm[0],
+        preroll_failed=warm[1],
     )

@@ -1,17 +1,20 @@
-"""Shaping a trace for one trial: cut a window, spread coarse ticks, compress time, scale the
-rate, fit lengths.
+"""Shaping a trace for one trial: cut a window (with a pre-roll that warms the prefix cache),
+spread coarse ticks, compress time, scale the rate, fit lengths.
 
 A production trace rarely fits a trial as recorded: it lasts hours, its prompts exceed the
-model's ``max-model-len``, or its rate is far from what one GPU serves. Each step here is a
-pure function ``Trace -> (Trace, ShapeReport)`` whose report states what it changed (request
-count, rate, length percentiles, prefix reuse, before and after), so a study can say exactly
-which workload it tuned for. :func:`shape` applies the steps a :class:`ShapeSpec` asks for, in
-a fixed order: window, tick spread, subsample, compress, rate scale, length scale, length
-clip. The tick spread runs on the recorded clock: after the window (which cuts on recorded
-instants, so a tick's requests are kept or dropped together) and before any step that divides
-time (after which the tick is no longer the file's, and a given ``tick_s`` would not be in the
-file's seconds); before the subsample, so the spread times do not depend on the sample
-fraction. The clip comes last so ``max_model_len`` holds for the trace that is replayed.
+model's ``max-model-len``, or its rate is far from what one GPU serves. Each step here is a pure
+function ``Trace -> (Trace, ShapeReport)`` whose report states what it changed (request count,
+rate, length percentiles, prefix reuse, before and after), so a study can say exactly which
+workload it tuned for. :func:`shape` applies the steps a :class:`ShapeSpec` asks for, in a fixed
+order: window, pre-roll, tick spread, subsample, compress, rate scale, length scale, length
+clip. The pre-roll (the requests before a window, :attr:`~optimizer.types.Trace.preroll`) is
+never replayed on the trace's clock nor measured; only the length steps change it, so its prefix
+blocks stay those of the window's requests. The tick spread runs on the recorded clock: after
+the window (which cuts on recorded instants, so a tick's requests are kept or dropped together)
+and before any step that divides time (after which the tick is no longer the file's, and a given
+``tick_s`` would not be in the file's seconds); before the subsample, so the spread times do not
+depend on the sample fraction. The clip comes last so ``max_model_len`` holds for the trace that
+is replayed.
 
 Times are seconds on the trace's own clock, which for an imported file starts at its first
 arrival (see :data:`~optimizer.workload.stats.CLOCK_NOTE`): a window over a slice of a longer
@@ -28,13 +31,22 @@ import numpy as np
 
 from optimizer.errors import ConfigError
 from optimizer.types import Trace, TraceRequest
-from optimizer.workload.stats import BURST_WINDOW_S, CLOCK_NOTE, clock_tick, inspect_trace
+from optimizer.workload.stats import (
+    BURST_WINDOW_S,
+    CLOCK_NOTE,
+    clock_tick,
+    inspect_trace,
+    prefix_reuse_ratio,
+)
 
 __all__ = [
     "ShapeReport",
     "ShapeSpec",
     "clip_lengths",
     "compress_time",
+    "covering_preroll_s",
+    "preroll",
+    "preroll_trace",
     "scale_lengths",
     "scale_rate",
     "shape",
@@ -153,6 +165,131 @@ def time_window(
     removed = len(trace) - len(kept)
     changed = removed + (len(kept) if start_s else 0)  # a shift moves every kept arrival
     return shaped, _report("window", detail, changed, trace, shaped)
+
+
+def preroll(
+    trace: Trace, start_s: float, end_s: float | None, preroll_s: float | None = None
+) -> tuple[Trace, ShapeReport]:
+    """Window ``[start_s, end_s)`` of ``trace`` with a pre-roll: the requests of the stretch
+    before it, kept as :attr:`~optimizer.types.Trace.preroll` to warm the prefix cache.
+
+    A window from the middle of a conversation trace starts where production's server has
+    the earlier turns' prefixes cached; a replay that starts cold sees less prefix reuse
+    (5 % instead of 37 % on a 30-second cut) and judges prefix caching and the KV cache's size
+    on the wrong workload. The replay sends the pre-roll before the trace (prefix blocks only,
+    one output token; :func:`preroll_trace`) and measures none of it.
+
+    Rule for the stretch: ``preroll_s`` seconds before the window when given (0: none);
+    None: just enough to cover the window's prefix references, i.e. back to the earliest of,
+    for each window request, the last arrival before the window of the longest prefix it
+    shares with a request before the window (0 when it shares none).
+
+    Args:
+        trace: The whole trace (before the window).
+        start_s: Window start, seconds on the trace's clock.
+        end_s: Window end (exclusive); None for the end of the trace.
+        preroll_s: The stretch in seconds (>= 0); None: cover the window's references.
+
+    Returns:
+        The windowed trace with its pre-roll (arrivals relative to ``start_s``) and a report
+        whose ``before`` is the window alone and ``after`` the window with its pre-roll
+        (``prefix_reuse_ratio_warm``: the reuse the window sees after the pre-roll).
+
+    Raises:
+        ConfigError: ``preroll_s`` is negative or not finite; the window is invalid.
+    """
+    _check(
+        preroll_s is None or (preroll_s >= 0 and math.isfinite(preroll_s)),
+        f"trace.shaping.preroll_s must be >= 0 seconds (0: no pre-roll), got {preroll_s}",
+    )
+    window, _ = time_window(trace, start_s, end_s)
+    source = "given"
+    if preroll_s is None:
+        preroll_s, source = (
+            covering_preroll_s(trace, start_s, end_s),
+            "covers the window's prefixes",
+        )
+    before = [
+        replace(r, arrival_s=r.arrival_s - start_s)
+        for r in trace.requests
+        if start_s - preroll_s <= r.arrival_s < start_s and preroll_s > 0
+    ]
+    shaped = replace(window, preroll=tuple(before))
+    detail = (
+        f"{len(before)} requests of the {preroll_s:g} s before the window ({source}) warm the "
+        f"prefix cache; the window's prefix reuse {prefix_reuse_ratio(window):.1%} cold, "
+        f"{prefix_reuse_ratio(window, before):.1%} after the pre-roll"
+    )
+    return shaped, _report("preroll", detail, len(before), window, shaped)
+
+
+def covering_preroll_s(trace: Trace, start_s: float, end_s: float | None) -> float:
+    """Seconds before ``start_s`` that hold, for every request of the window
+    ``[start_s, end_s)``, the last earlier arrival of the longest prefix it shares with the
+    requests before the window (0.0 when it shares none). See :func:`preroll`."""
+    last_seen: dict[int, float] = {}  # trie node -> last arrival before the window
+    children: dict[tuple[int, int], int] = {}
+    for r in trace.requests:
+        if r.arrival_s >= start_s:
+            break
+        node = 0
+        for block in r.prefix_blocks[: _block_count(r, trace.block_size)]:
+            node = children.setdefault((node, block), len(children) + 1)
+            last_seen[node] = r.arrival_s
+    earliest = start_s
+    for r in trace.requests:
+        if r.arrival_s < start_s or (end_s is not None and r.arrival_s >= end_s):
+            continue
+        node, found = 0, None
+        for block in r.prefix_blocks[: _block_count(r, trace.block_size)]:
+            child = children.get((node, block))
+            if child is None:
+                break
+            node, found = child, last_seen[child]
+        if found is not None:
+            earliest = min(earliest, found)
+    return start_s - earliest
+
+
+def _block_count(request: TraceRequest, block_size: int) -> int:
+    """How many of the request's prefix blocks lie (at least partly) inside its prompt."""
+    return min(len(request.prefix_blocks), -(-request.input_tokens // block_size))
+
+
+def preroll_trace(trace: Trace) -> Trace:
+    """What a replay sends to warm the prefix cache for ``trace``: a trace of its pre-roll.
+
+    Each pre-roll request becomes a prompt of its prefix blocks only (the tokens of a block
+    depend on the block id and the replay's seed alone, so they are the tokens the trace's
+    requests will send), one output token, all arriving at 0 s in pre-roll order. A chain of
+    blocks that another pre-roll request extends is left out (sending the longer one caches
+    it), as are requests without prefix blocks.
+
+    Args:
+        trace: A trace with a pre-roll (an empty one gives an empty trace).
+
+    Returns:
+        The warm-up trace (no pre-roll of its own).
+    """
+    size = trace.block_size
+    children: dict[tuple[int, int], int] = {}
+    extended: set[int] = set()
+    ends: dict[int, TraceRequest] = {}  # chain's last node -> the request that sends it
+    for r in trace.preroll:
+        tokens = min(len(r.prefix_blocks) * size, r.input_tokens)
+        if tokens <= 0:
+            continue
+        blocks = r.prefix_blocks[: -(-tokens // size)]
+        node = 0
+        for block in blocks:
+            extended.add(node)
+            node = children.setdefault((node, block), len(children) + 1)
+        kept = ends.pop(node, None)  # re-inserted: the order is that of last use
+        if kept is None or kept.input_tokens < tokens:
+            kept = TraceRequest(0.0, tokens, 1, blocks, r.session_id)
+        ends[node] = kept
+    warm = [r for node, r in ends.items() if node not in extended]
+    return Trace(requests=tuple(warm), block_size=size, source=f"pre-roll of {trace.source}")
 
 
 def spread_ticks(
@@ -291,6 +428,28 @@ def _fit_blocks(request: TraceRequest, input_tokens: int, block_size: int) -> tu
     return request.prefix_blocks[: -(-input_tokens // block_size)]
 
 
+def _relength(
+    trace: Trace, lengths: Callable[[TraceRequest], tuple[int, int]]
+) -> tuple[Trace, int]:
+    """New (input, output) lengths for every request, and for the pre-roll alike (so its
+    prefix blocks stay those of the trace); returns the trace and the requests changed."""
+
+    def one(request: TraceRequest) -> TraceRequest:
+        input_tokens, output_tokens = lengths(request)
+        if (input_tokens, output_tokens) == (request.input_tokens, request.output_tokens):
+            return request
+        return replace(
+            request,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
+        )
+
+    requests = [one(r) for r in trace.requests]
+    changed = sum(new is not old for new, old in zip(requests, trace.requests, strict=True))
+    return replace(trace, requests=tuple(requests), preroll=tuple(map(one, trace.preroll))), changed
+
+
 def clip_lengths(
     trace: Trace, max_model_len: int, *, max_output_tokens: int | None = None
 ) -> tuple[Trace, ShapeReport]:
@@ -320,24 +479,12 @@ def clip_lengths(
     output_cap = max_model_len - 1
     if max_output_tokens is not None:
         output_cap = min(output_cap, max_output_tokens)
-    clipped: list[TraceRequest] = []
-    changed = 0
-    for request in trace.requests:
+
+    def lengths(request: TraceRequest) -> tuple[int, int]:
         output_tokens = min(request.output_tokens, output_cap)
-        input_tokens = min(request.input_tokens, max_model_len - output_tokens)
-        if (input_tokens, output_tokens) == (request.input_tokens, request.output_tokens):
-            clipped.append(request)
-            continue
-        changed += 1
-        clipped.append(
-            replace(
-                request,
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
-            )
-        )
-    shaped = _with(trace, clipped)
+        return min(request.input_tokens, max_model_len - output_tokens), output_tokens
+
+    shaped, changed = _relength(trace, lengths)
     detail = f"max_model_len {max_model_len}" + (
         f", max_output_tokens {max_output_tokens}" if max_output_tokens is not None else ""
     )
@@ -371,24 +518,13 @@ def scale_lengths(
         output_scale > 0 and math.isfinite(output_scale),
         f"output length scale must be > 0, got {output_scale}",
     )
-    scaled: list[TraceRequest] = []
-    changed = 0
-    for request in trace.requests:
-        input_tokens = max(1, round(request.input_tokens * input_scale))
-        output_tokens = max(1, round(request.output_tokens * output_scale))
-        if (input_tokens, output_tokens) == (request.input_tokens, request.output_tokens):
-            scaled.append(request)
-            continue
-        changed += 1
-        scaled.append(
-            replace(
-                request,
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                prefix_blocks=_fit_blocks(request, input_tokens, trace.block_size),
-            )
-        )
-    shaped = _with(trace, scaled)
+    shaped, changed = _relength(
+        trace,
+        lambda r: (
+            max(1, round(r.input_tokens * input_scale)),
+            max(1, round(r.output_tokens * output_scale)),
+        ),
+    )
     detail = f"input x {input_scale:g}, output x {output_scale:g}"
     return shaped, _report("length_scale", detail, changed, trace, shaped)
 
@@ -427,6 +563,9 @@ class ShapeSpec:
     Attributes:
         window_s: ``(start_s, end_s)`` window; ``end_s`` may be None for the end. Seconds from
             the file's own first arrival (for a slice, the slice's start).
+        preroll_s: The stretch before the window whose requests warm the prefix cache before
+            the replay (:func:`preroll`); None: enough to cover the window's prefix
+            references; 0: none. Only with ``window_s``.
         spread_ticks: Spread requests sharing one arrival instant over their clock tick
             (seeded by ``seed``).
         tick_s: The tick to spread over; None detects it on the trace before its window.
@@ -441,6 +580,7 @@ class ShapeSpec:
     """
 
     window_s: tuple[float, float | None] | None = None
+    preroll_s: float | None = None
     spread_ticks: bool = False
     tick_s: float | None = None
     sample_fraction: float | None = None
@@ -454,9 +594,9 @@ class ShapeSpec:
 
 
 def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
-    """Apply the steps ``spec`` asks for, in the order window, tick spread, subsample, compress
-    (factor or target duration), rate scale, length scale, clip (see the module docstring for
-    why).
+    """Apply the steps ``spec`` asks for, in the order window, pre-roll, tick spread,
+    subsample, compress (factor or target duration), rate scale, length scale, clip (see the
+    module docstring for why).
 
     Args:
         trace: The trace.
@@ -472,6 +612,15 @@ def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
     if spec.window_s is not None:
         start_s, end_s = spec.window_s
         steps.append(lambda t: time_window(t, start_s, end_s))
+        has_prefixes = any(r.prefix_blocks for r in trace.requests)
+        if start_s > 0 and spec.preroll_s != 0 and (has_prefixes or spec.preroll_s is not None):
+            whole = trace
+            steps.append(lambda _: preroll(whole, start_s, end_s, spec.preroll_s))
+    elif spec.preroll_s is not None:
+        raise ConfigError(
+            "trace.shaping.preroll_s warms the cache for a window: set trace.shaping.window_s "
+            "too, or drop preroll_s"
+        )
     if spec.spread_ticks:
         clock_of = trace if spec.window_s is not None else None
         steps.append(lambda t: spread_ticks(t, spec.tick_s, spec.seed, clock_of=clock_of))

@@ -288,10 +288,10 @@ def test_spread_ticks_needs_a_tick() -> None:
 def test_shape_spreads_ticks_after_the_window_and_before_compressing() -> None:
     spec = ShapeSpec(window_s=(6.0, None), spread_ticks=True, compress=2.0, seed=4)
     shaped, reports = shape(ticked(), spec)
-    assert [r.step for r in reports] == ["window", "spread_ticks", "compress"]
+    assert [r.step for r in reports] == ["window", "preroll", "spread_ticks", "compress"]
     # The window keeps only instants 0 s and 6 s (a 6 s grid): the tick comes from the file.
-    assert "tick 3 s (detected before the window)" in reports[1].detail
-    assert reports[1].changed_requests == 6
+    assert "tick 3 s (detected before the window)" in reports[2].detail
+    assert reports[2].changed_requests == 6
     # Spread on the recorded clock, then halved: the first four land in [0, 1.5) s.
     assert all(0.0 <= r.arrival_s < 1.5 for r in shaped.requests[:4])
     assert all(3.0 <= r.arrival_s < 4.5 for r in shaped.requests[4:])
