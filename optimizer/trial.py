@@ -265,8 +265,11 @@ def _capacity(
     boost: bool = False,
 ) -> CapacityOutcome:
     """:func:`run_capacity`, its steps reported to the trial's progress file too."""
-    on_step = progress.step if isinstance(progress, TrialProgress) else None
-    return run_capacity(spec, url, progress, boost, on_step=on_step)
+    if isinstance(progress, TrialProgress):
+        return run_capacity(
+            spec, url, progress, boost, on_step=progress.step, on_step_start=progress.step_started
+        )
+    return run_capacity(spec, url, progress, boost)
 
 
 def _measure_replay(

@@ -103,6 +103,15 @@ class TrialProgress:
         )
         self._write(force=p.sent == p.total and p.in_flight == 0)
 
+    def step_started(self, scale: float, note: str = "") -> None:
+        """A capacity step at rate ``scale`` starts (``note``: e.g. ``pre-roll of 120 requests
+        first``): the replay counts shown from now on are this step's."""
+        kept: dict[str, Any] = {
+            k: self.doc[k] for k in ("steps_done", "last_scale", "last_verdict") if k in self.doc
+        }
+        self.doc = {"phase": "capacity search", **kept, "scale": scale, "note": note}
+        self._write(force=True)
+
     def step(self, outcome: StepOutcome) -> None:
         """A capacity step finished (the capacity search's ``on_step``)."""
         self.doc = {
@@ -141,21 +150,32 @@ def read_progress(workdir: str | Path) -> dict[str, Any] | None:
 
 
 def progress_line(doc: Mapping[str, Any]) -> str:
-    """One line of a trial's progress: ``replaying 120/361 done, p95 TTFT so far 840 ms``,
-    ``capacity search: 2 steps done, last x1.4: SLOs met; replaying 40/361 done``."""
+    """One line of a trial's progress: ``replaying 120/361 done, p95 TTFT so far 840 ms``;
+    during a capacity search the step being replayed (its scale) and, apart, the previous
+    step's verdict: ``capacity search: replaying x2: 40/361 done | 2 steps done, previous
+    x1.4: SLOs met``."""
     head = str(doc.get("phase") or "running")
+    replay = ""
+    if doc.get("total"):
+        replay = f"{doc.get('completed', 0)}/{doc['total']} done"
+        if doc.get("failed"):
+            replay += f" ({doc['failed']} failed)"
+        if doc.get("p95_ttft_ms") is not None:
+            replay += f", p95 TTFT so far {float(doc['p95_ttft_ms']):,.0f} ms"
+    parts = []
+    if "scale" in doc:
+        now = f"replaying x{float(doc['scale']):.3g}"
+        if doc.get("note"):
+            now += f" ({doc['note']})"
+        parts.append(f"{now}: {replay}" if replay else now)
+    elif replay:
+        parts.append(f"replaying {replay}")
     if "steps_done" in doc:
-        head += (
-            f": {doc['steps_done']} steps done, last x{float(doc['last_scale']):.3g}: "
-            f"{doc.get('last_verdict', '')}"
+        done = int(doc["steps_done"])
+        parts.append(
+            f"{done} step{'s' if done != 1 else ''} done, previous "
+            f"x{float(doc['last_scale']):.3g}: {doc.get('last_verdict', '')}"
         )
-    if not doc.get("total"):
-        return head
-    replay = f"{doc.get('completed', 0)}/{doc['total']} done"
-    if doc.get("failed"):
-        replay += f" ({doc['failed']} failed)"
-    if doc.get("p95_ttft_ms") is not None:
-        replay += f", p95 TTFT so far {float(doc['p95_ttft_ms']):,.0f} ms"
-    if head == "replaying":
-        return f"replaying {replay}"
-    return f"{head}; replaying {replay}"
+    if head == "replaying" and parts:
+        return " | ".join(parts)
+    return f"{head}: {' | '.join(parts)}" if parts else head

@@ -9,6 +9,10 @@ server that was started once for the whole trial:
   and **fresh prompts** (a new seed: no prompt token of an earlier step can hit the prefix cache;
   the trace's own prefix sharing is kept inside the step), with early stop once the step's SLOs
   are out of reach;
+- a windowed trace's pre-roll (:attr:`~optimizer.types.Trace.preroll`) is sent by every step's
+  replay before its clock starts, with the step's own seed, so it runs after every prefix-cache
+  reset (and a re-run's) and warms the cache with exactly the prefixes the step will send; its
+  requests are in no step's records (the step's ``preroll_requests`` counts them);
 - between steps, no request is left in flight (the server's running and waiting gauges are read
   until both are 0) and the prefix cache is reset with ``POST /reset_prefix_cache`` where the
   server offers it (``VLLM_SERVER_DEV_MODE=1``); which of the two isolated the steps is recorded;
@@ -146,6 +150,8 @@ class StepRunner:
         records_dir: Where each step's records are written (None: not written).
         progress: Replay progress callback.
         on_step: Called after each step (progress displays).
+        on_step_start: Called with a step's scale and a note (``pre-roll first`` for a trace
+            with a pre-roll, else "") before it starts.
         drain_timeout_s: How long to wait for the server to empty between steps.
         full_at_or_below: Steps at or below this scale run without early stop, so a
             configuration that fails at the lowest scale is judged on a full window.
@@ -163,6 +169,7 @@ class StepRunner:
     records_dir: Path | None = None
     progress: Callable[[ReplayProgress], None] | None = None
     on_step: Callable[[StepOutcome], None] | None = None
+    on_step_start: Callable[[float, str], None] | None = None
     drain_timeout_s: float = 120.0
     full_at_or_below: float = 0.0
     replay: Callable[..., ReplayResult] = run_replay
@@ -220,6 +227,8 @@ class StepRunner:
                 "offered_rps": offered_rps(self.trace, scale, self.warmup_requests),
                 "replay_s": round(result.duration_s, 3),
                 "partial": stopped,
+                "preroll_requests": result.preroll_requests,
+                "preroll_failed": result.preroll_failed,
             },
         )
         if self.on_step is not None:
@@ -233,7 +242,10 @@ class StepRunner:
         scaled = scale_rate(self.trace, scale)[0] if scale != 1.0 else self.trace
         expected = max(0, len(scaled) - self.warmup_requests)
         message = ""
+        note = f"pre-roll of {len(self.trace.preroll)} requests first" if self.trace.preroll else ""
         for retry in range(2):
+            if self.on_step_start is not None:
+                self.on_step_start(scale, note)
             result = self.replay(
                 scaled,
                 self.url,

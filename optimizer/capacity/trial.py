@@ -109,6 +109,7 @@ def run_capacity(
     progress: Callable[[ReplayProgress], None] | None = None,
     boost: bool = False,
     on_step: Callable[[StepOutcome], None] | None = None,
+    on_step_start: Callable[[float, str], None] | None = None,
 ) -> CapacityOutcome:
     """Search the capacity of the server at ``url`` for ``spec``'s trace and SLOs.
 
@@ -118,6 +119,7 @@ def run_capacity(
         progress: Replay progress callback.
         boost: Raise this process's priority first (a client process of its own).
         on_step: Called after every step.
+        on_step_start: Called with a step's scale (and a note) before it starts.
 
     Returns:
         The outcome; never raises for a failing configuration.
@@ -142,6 +144,7 @@ def run_capacity(
         records_dir=workdir / "steps",
         progress=progress,
         on_step=on_step,
+        on_step_start=on_step_start,
         full_at_or_below=settings.min_scale,
     )
     try:

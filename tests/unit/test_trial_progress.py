@@ -94,10 +94,23 @@ def test_progress_lines() -> None:
     step.phase("capacity search")
     step.step(StepOutcome(scale=1.4, margins={"p95_ttft_ms<=500": -0.2}))
     step.step(StepOutcome(scale=2.0, margins={"p95_ttft_ms<=500": 0.3}, reason="p95 TTFT +30%"))
+    # Between steps: only the previous step's verdict.
+    assert progress_line(step.doc) == "capacity search: 2 steps done, previous x2: p95 TTFT +30%"
+    # The next step names its own scale, and its counts are its own.
+    step.step_started(1.7, "pre-roll of 12 requests first")
+    assert progress_line(step.doc) == (
+        "capacity search: replaying x1.7 (pre-roll of 12 requests first) | 2 steps done, "
+        "previous x2: p95 TTFT +30%"
+    )
+    step.step_started(1.7)
     step(ReplayProgress(elapsed_s=3, total=361, sent=41, completed=40, failed=0, in_flight=1))
     assert progress_line(step.doc) == (
-        "capacity search: 2 steps done, last x2: p95 TTFT +30%; replaying 40/361 done"
+        "capacity search: replaying x1.7: 40/361 done | 2 steps done, previous x2: p95 TTFT +30%"
     )
+    first = TrialProgress(Path("/nonexistent"))
+    first.step_started(1.0)
+    first(ReplayProgress(elapsed_s=1, total=104, sent=66, completed=66, failed=0, in_flight=0))
+    assert progress_line(first.doc) == "capacity search: replaying x1: 66/104 done"
 
 
 class _SlowRunner(FakeRunner):

@@ -138,3 +138,52 @@ def test_slo_floors_from_the_trace_and_the_measured_server() -> None:
     assert floors["ttft_floor_ms"] == pytest.approx(5000 / 2000 * 1000)
     assert floors["tpot_floor_ms"] == pytest.approx(20.0)
     assert slo_floors(TRACE, []) == {}
+
+
+def test_every_step_pre_rolls_with_its_own_prompts_and_measures_none_of_it(
+    tmp_path: Path,
+) -> None:
+    """The real replay against a recording MockTransport: each step (after the reset between
+    steps, and the first after the warm-up) first sends the window's pre-roll, built with that
+    step's seed, and its records hold the window's requests only."""
+    import httpx
+
+    from optimizer.workload.replay import run_replay
+    from optimizer.workload.shaping import ShapeSpec, preroll_trace, shape
+    from tests.unit.workload.test_preroll import Recorder, conversations
+
+    shaped, _ = shape(conversations(), ShapeSpec(window_s=(60.0, 75.0), compress=100.0))
+    server = Recorder()
+    starts: list[tuple[float, str]] = []
+
+    def replay(trace: Trace, url: str, model: str, **kw: Any) -> ReplayResult:
+        return run_replay(trace, url, model, transport=httpx.MockTransport(server.handle), **kw)
+
+    runner = StepRunner(
+        url="http://127.0.0.1:9",  # nothing listens: no reset offered, no metrics
+        model="m",
+        trace=shaped,
+        slos=[parse_slo("error_rate<=0.01")],
+        vocab=TokenRange(300, 5000),
+        seed=3,
+        replay=replay,
+        on_step_start=lambda scale, note: starts.append((scale, note)),
+    )
+    runner.warm_up(requests=2)
+    warm = len(preroll_trace(shaped))
+    assert len(server.bodies) == 2  # the warm-up replays the window's head, no pre-roll
+    steps = [runner(1.0, 0), runner(2.0, 0)]
+    note = f"pre-roll of {len(shaped.preroll)} requests first"
+    assert starts == [(1.0, note), (2.0, note)]  # each step names its scale as it starts
+    per_step = warm + len(shaped)
+    assert len(server.bodies) == 2 + 2 * per_step
+    prompts = []
+    for k, step in enumerate(steps):
+        bodies = server.bodies[2 + k * per_step : 2 + (k + 1) * per_step]
+        assert [b["max_tokens"] for b in bodies[:warm]] == [1] * warm  # the pre-roll first
+        assert all(b["max_tokens"] == 4 for b in bodies[warm:])
+        assert step.detail["preroll_requests"] == warm and step.detail["preroll_failed"] == 0
+        assert len(runner.records[k]) == len(shaped)  # measured: the window only
+        assert step.summary["completed"] == len(shaped)
+        prompts.append(bodies[0]["prompt"])
+    assert prompts[0] != prompts[1]  # each step's pre-roll is built with its own seed
