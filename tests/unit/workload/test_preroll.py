@@ -206,3 +206,18 @@ def test_a_replay_sends_the_preroll_first_with_its_own_seed_and_measures_none_of
     continued = [p for p in warmed if any(ids[: len(p)] == p for ids in prompts)]  # type: ignore[arg-type]
     in_window = {r.session_id for r in window.requests}
     assert len(continued) == sum(r.session_id in in_window for r in warm.requests) >= 5
+
+
+def test_the_job_file_key_is_checked_and_reaches_the_shaping() -> None:
+    from pydantic import ValidationError
+
+    from optimizer.config import ShapingSection
+
+    with pytest.raises(ValidationError, match="preroll_s"):
+        ShapingSection(window_s=(60.0, 90.0), preroll_s=-5.0)
+    section = ShapingSection(window_s=(60.0, 90.0))
+    assert section.preroll_s is None  # the default: cover the window's prefix references
+    shaped, _ = shape(conversations(), ShapeSpec(**section.model_dump()))
+    assert shaped.preroll
+    off = ShapingSection(window_s=(60.0, 90.0), preroll_s=0)
+    assert shape(conversations(), ShapeSpec(**off.model_dump()))[0].preroll == ()

@@ -1,0 +1,212 @@
+"""Does a window's pre-roll change what a capacity trial measures? Prefix caching on vs off,
+with and without the pre-roll, one configuration, on a windowed conversation trace.
+
+A window cut from the middle of a conversation trace holds later turns of conversations that
+began before it: production's server has their prefixes cached, a cold replay does not. The
+script writes a seeded synthetic conversation trace (canonical JSONL; sessions arrive as a
+Poisson process, each turn's prompt is a shared system prompt, the conversation so far and a
+new user message, so turn k + 1 extends turn k's prompt), prepares ``JOB`` (a capacity job on
+the CPU build; its trace path and window are replaced by this trace and ``--window``), and
+runs four capacity trials of one configuration, each on a freshly started server, in the
+order (caching on, pre-roll on), (on, off), (off, on), (off, off). It prints one row per
+trial: the window's prefix reuse the replay offers (cold, or after the pre-roll), the
+capacity with its bracket, the steps, the nominal P95 TTFT and the server's prefix-cache hit
+rate over the whole trial (its ``vllm:prefix_cache_hits/queries`` counters: warm-up,
+pre-rolls and steps together).
+
+Usage:
+    python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml \
+        [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500]
+        [--out runs/preroll-benchmark]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from optimizer.config import load_job
+from optimizer.study import prepare
+from optimizer.trial import run_trial
+from optimizer.types import Trace, TraceRequest
+from optimizer.workload.formats import write_trace
+from optimizer.workload.stats import prefix_reuse_ratio
+
+BLOCK = 64
+
+
+def conversations(
+    seed: int = 0,
+    duration_s: float = 360.0,
+    session_rate: float = 0.3,
+    systems: int = 16,
+    system_tokens: int = 64,
+    max_len: int = 1900,
+) -> Trace:
+    """Seeded conversations: a session picks one of ``systems`` system prompts; turn k's prompt
+    is that prompt, the earlier turns (user messages and answers) and a new user message
+    (lognormal, median 80 tokens); answers median 40 tokens; think time exponential, mean 45 s;
+    a session ends after 2-9 turns or when its next prompt would exceed ``max_len``."""
+    rng = np.random.default_rng(seed)
+    requests: list[TraceRequest] = []
+    t = 0.0
+    session = 0
+    while True:
+        t += float(rng.exponential(1.0 / session_rate))
+        if t >= duration_s:
+            break
+        system = int(rng.integers(systems))
+        history = system_tokens
+        at = t
+        for _ in range(int(rng.integers(2, 10))):
+            user = max(8, int(rng.lognormal(np.log(80), 0.6)))
+            answer = max(4, min(200, int(rng.lognormal(np.log(40), 0.5))))
+            prompt = history + user
+            if prompt + answer > max_len or at >= duration_s:
+                break
+            n_blocks = -(-prompt // BLOCK)
+            sys_blocks = system_tokens // BLOCK
+            blocks = tuple(
+                system * 100 + j if j < sys_blocks else 1_000_000 + session * 1000 + j
+                for j in range(n_blocks)
+            )
+            requests.append(TraceRequest(round(at, 3), prompt, answer, blocks, f"c{session}"))
+            history = prompt + answer
+            at += float(rng.exponential(45.0))
+        session += 1
+    requests.sort(key=lambda r: r.arrival_s)
+    return Trace(tuple(requests), block_size=BLOCK, source=f"synthetic conversations, seed {seed}")
+
+
+def _job(
+    job_path: str, trace_path: Path, window: tuple[float, float], out: Path, lag_ms: float
+) -> Path:
+    """The job file with this trace and window (written next to the trace)."""
+    doc: dict[str, Any] = yaml.safe_load(Path(job_path).read_text())
+    base = Path(job_path).resolve().parent
+    model = doc.get("model", {})
+    if "path" in model and not Path(model["path"]).is_absolute():
+        model["path"] = str((base / model["path"]).resolve())
+    doc["trace"]["path"] = str(trace_path.resolve())
+    doc["trace"]["format"] = "canonical"
+    doc["trace"]["shaping"] = {"window_s": list(window), "max_model_len": 2048}
+    doc["trace"]["max_send_lag_ms"] = lag_ms
+    doc["out"] = str((out / "study").resolve())
+    path = out / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("job")
+    ap.add_argument("--args", default=None, help="engine arguments (JSON) over the baseline's")
+    ap.add_argument("--window", default="270:300", metavar="START:END")
+    ap.add_argument("--out", default="runs/preroll-benchmark")
+    ap.add_argument(
+        "--max-send-lag-ms",
+        type=float,
+        default=500.0,
+        help="the client's lag bound (a shared 2-core machine cannot keep 50 ms)",
+    )
+    ns = ap.parse_args()
+    out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    start, end = (float(v) for v in ns.window.split(":"))
+    trace_path = out / "conversations.jsonl"
+    write_trace(conversations(), trace_path)
+    job, base = load_job(str(_job(ns.job, trace_path, (start, end), out, ns.max_send_lag_ms)))
+    plan = prepare(job, base)
+    for line in plan.trace_notes:
+        print(line)
+    args = {**plan.baseline_args, **(json.loads(ns.args) if ns.args else {})}
+    rows = []
+    for i, (caching, preroll) in enumerate(
+        [(True, True), (True, False), (False, True), (False, False)]
+    ):
+        spec = plan.trial_spec(
+            i,
+            {**args, "enable-prefix-caching": caching},
+            workdir=out / f"trial-{i}",
+            seed=810_000 + i,
+        )
+        if not preroll:
+            spec = replace(spec, trace=replace(spec.trace, preroll=()))
+        t0 = time.monotonic()
+        result = run_trial(spec)
+        cap = dict(result.capacity or {})
+        metrics = result.server_metrics or {}
+        queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
+        rows.append(
+            {
+                "prefix_caching": caching,
+                "preroll": preroll,
+                "preroll_requests": len(spec.trace.preroll),
+                "window_reuse": prefix_reuse_ratio(spec.trace, spec.trace.preroll),
+                "status": result.status.value,
+                "capacity_rps": cap.get("rps"),
+                "rps_lo": cap.get("rps_lo"),
+                "rps_hi": cap.get("rps_hi"),
+                "steps": len(cap.get("steps") or []),
+                "nominal_p95_ttft_ms": result.summary.get("nominal_p95_ttft_ms"),
+                "hit_rate": metrics.get("vllm:prefix_cache_hits_total", 0.0) / queries
+                if queries
+                else None,
+                "wall_s": time.monotonic() - t0,
+                "message": result.message,
+            }
+        )
+        print(json.dumps(rows[-1], default=str), flush=True)
+    _print(rows, plan.trace, args, out)
+    return 0
+
+
+def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: Path) -> None:
+    cold = prefix_reuse_ratio(trace)
+    warm = prefix_reuse_ratio(trace, trace.preroll)
+    table = Table(
+        title=f"{len(trace)} requests, pre-roll {len(trace.preroll)}; window prefix reuse "
+        f"{cold:.0%} cold, {warm:.0%} after the pre-roll; args {args}"
+    )
+    for col in (
+        "prefix caching",
+        "pre-roll",
+        "window reuse",
+        "capacity req/s",
+        "bracket req/s",
+        "steps",
+        "nominal p95 TTFT ms",
+        "server hit rate",
+        "wall s",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        hi = r["rps_hi"]
+        table.add_row(
+            "on" if r["prefix_caching"] else "off",
+            f"{r['preroll_requests']} requests" if r["preroll"] else "none",
+            f"{r['window_reuse']:.0%}",
+            "-" if r["capacity_rps"] is None else f"{r['capacity_rps']:.3g}",
+            "-"
+            if r["rps_lo"] is None
+            else f"[{r['rps_lo']:.3g}, {'-' if hi is None else f'{hi:.3g}'}]",
+            str(r["steps"]),
+            "-" if r["nominal_p95_ttft_ms"] is None else f"{r['nominal_p95_ttft_ms']:,.0f}",
+            "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}",
+            f"{r['wall_s']:.0f}",
+        )
+    Console(width=160).print(table)
+    (out / "rows.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
