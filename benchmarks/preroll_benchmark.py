@@ -16,7 +16,8 @@ pre-rolls and steps together).
 
 Usage:
     python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml \
-        [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500]
+        [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500] [--max-scale 256]
+        [--ttft-slo-ms 500]
         [--out runs/preroll-benchmark]
 """
 
@@ -88,7 +89,13 @@ def conversations(
 
 
 def _job(
-    job_path: str, trace_path: Path, window: tuple[float, float], out: Path, lag_ms: float
+    job_path: str,
+    trace_path: Path,
+    window: tuple[float, float],
+    out: Path,
+    lag_ms: float,
+    max_scale: float,
+    ttft_slo_ms: float | None,
 ) -> Path:
     """The job file with this trace and window (written next to the trace)."""
     doc: dict[str, Any] = yaml.safe_load(Path(job_path).read_text())
@@ -100,6 +107,10 @@ def _job(
     doc["trace"]["format"] = "canonical"
     doc["trace"]["shaping"] = {"window_s": list(window), "max_model_len": 2048}
     doc["trace"]["max_send_lag_ms"] = lag_ms
+    doc.setdefault("capacity", {}).update(max_scale=max_scale, max_steps=12)
+    if ttft_slo_ms is not None:
+        slos = [s for s in doc["objectives"]["slos"] if not s.startswith("p95_ttft_ms")]
+        doc["objectives"]["slos"] = [f"p95_ttft_ms<={ttft_slo_ms:g}", *slos]
     doc["out"] = str((out / "study").resolve())
     path = out / "job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -118,13 +129,34 @@ def main() -> int:
         default=500.0,
         help="the client's lag bound (a shared 2-core machine cannot keep 50 ms)",
     )
+    ap.add_argument(
+        "--max-scale",
+        type=float,
+        default=256.0,
+        help="the search's ceiling (the window is short: a warm cache carries x32)",
+    )
+    ap.add_argument(
+        "--ttft-slo-ms", type=float, default=None, help="replace the job's P95 TTFT SLO"
+    )
     ns = ap.parse_args()
     out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     start, end = (float(v) for v in ns.window.split(":"))
     trace_path = out / "conversations.jsonl"
     write_trace(conversations(), trace_path)
-    job, base = load_job(str(_job(ns.job, trace_path, (start, end), out, ns.max_send_lag_ms)))
+    job, base = load_job(
+        str(
+            _job(
+                ns.job,
+                trace_path,
+                (start, end),
+                out,
+                ns.max_send_lag_ms,
+                ns.max_scale,
+                ns.ttft_slo_ms,
+            )
+        )
+    )
     plan = prepare(job, base)
     for line in plan.trace_notes:
         print(line)
