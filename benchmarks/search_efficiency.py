@@ -167,7 +167,10 @@ class TableServer:
     def __init__(self, m: Measurement) -> None:
         self.m = m
         full = [s for s in m.steps if not s["stopped_early"] and s.get("margin") is not None]
-        self.points = sorted((math.log(s["scale"]), float(s["margin"])) for s in full)
+        by_scale: dict[float, list[float]] = {}
+        for s in full:  # a repeated step: its margins' mean
+            by_scale.setdefault(math.log(s["scale"]), []).append(float(s["margin"]))
+        self.points = sorted((x, statistics.fmean(ms)) for x, ms in by_scale.items())
         per_unit = [s["replay_s"] * s["scale"] for s in full if s["replay_s"] > 0]
         self.full_unit_s = statistics.median(per_unit) if per_unit else 20.0
         early = [s for s in m.steps if s["stopped_early"] and s["replay_s"] > 0]

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,16 @@ def test_the_table_answers_a_step_from_the_drawn_measurement() -> None:
     far = server(4.0, 0)
     assert far.stopped_early  # recorded early stops above x1.0
     assert server.seconds - before == pytest.approx(40.0 + 5.0 / 4.0)
+
+
+def test_a_repeated_step_is_one_point_of_the_margin_curve() -> None:
+    table = load_table(synthetic_table())
+    m = table.configs[table.baseline][0]
+    full = next(s for s in m.steps if not s["stopped_early"])
+    steps = (*m.steps, {**full, "margin": full["margin"] + 0.2})  # that step again
+    server = TableServer(replace(m, steps=steps))
+    assert len(server.points) == len({s["scale"] for s in m.steps if not s["stopped_early"]})
+    assert server(8.0, 0).deciding_margin > 0  # extended past the last point: no division by 0
 
 
 def test_racing_charges_a_losing_trial_less_than_the_full_search() -> None:
