@@ -155,6 +155,11 @@ class StepRunner:
         drain_timeout_s: How long to wait for the server to empty between steps.
         full_at_or_below: Steps at or below this scale run without early stop, so a
             configuration that fails at the lowest scale is judged on a full window.
+
+    A step inside a bracket already measured (above a passed step, below a failed one: the
+    bisection's steps, near the capacity) also runs without early stop: its margins are what
+    the capacity's estimate interpolates to (a stopped step's are partial and never are), and
+    an early stop there saves little (near a capacity it fires late in the step).
     """
 
     url: str
@@ -176,6 +181,8 @@ class StepRunner:
     isolation: set[str] = field(default_factory=set)
     records: dict[int, list[RequestRecord]] = field(default_factory=dict)
     _step: int = 0
+    _passed_max: float = 0.0
+    _failed_min: float = math.inf
 
     def warm_up(self, requests: int = 16) -> None:
         """Replay the trace's first requests once at its own pace; nothing is measured."""
@@ -231,9 +238,18 @@ class StepRunner:
                 "preroll_failed": result.preroll_failed,
             },
         )
+        if outcome.passed:
+            self._passed_max = max(self._passed_max, scale)
+        else:
+            self._failed_min = min(self._failed_min, scale)
         if self.on_step is not None:
             self.on_step(outcome)
         return outcome
+
+    def runs_in_full(self, scale: float) -> bool:
+        """No early stop: at or below ``full_at_or_below``, or inside a measured bracket."""
+        inside = 0 < self._passed_max < scale < self._failed_min < math.inf
+        return scale <= self.full_at_or_below or inside
 
     def _seed(self, step: int) -> int:
         return self.seed * 1000 + step
@@ -256,9 +272,7 @@ class StepRunner:
                 max_send_lag_ms=self.max_send_lag_ms,
                 progress=self.progress,
                 stop_check=(
-                    None
-                    if scale <= self.full_at_or_below
-                    else early_stop_check(self.slos, expected)
+                    None if self.runs_in_full(scale) else early_stop_check(self.slos, expected)
                 ),
             )
             if result.schedule_kept:

@@ -107,6 +107,24 @@ def test_steps_rescale_the_trace_with_fresh_prompts_and_isolate(tmp_path: Path) 
     ]
 
 
+def test_steps_inside_a_measured_bracket_run_in_full(tmp_path: Path) -> None:
+    """Bisection steps (between a pass and a fail) are never stopped early: the estimate
+    interpolates to their margins; outside the bracket early stop still saves time."""
+    replay = FakeReplay()
+    runner = _runner(replay, tmp_path)
+    assert runner(1.0, 0).passed  # no bracket yet: early stop on offer
+    assert replay.calls[-1]["stop_check"] is not None
+    assert runner(2.0, 0).stopped_early  # bracket [1, 2] now
+    inside = runner(1.5, 0)
+    assert replay.calls[-1]["stop_check"] is None and not inside.stopped_early
+    assert inside.summary["completed"] == len(TRACE) and not inside.detail["partial"]
+    assert inside.passed  # this fake serves everything it is sent in 0.1 s: bracket [1.5, 2]
+    assert runner(1.8, 0).passed and replay.calls[-1]["stop_check"] is None
+    runner(4.0, 0)  # above the lowest fail: outside the bracket, early stop again
+    assert replay.calls[-1]["stop_check"] is not None
+    assert runner.runs_in_full(1.9) and not runner.runs_in_full(1.2)
+
+
 def test_a_client_that_cannot_keep_up_twice_is_not_a_measurement(tmp_path: Path) -> None:
     replay = FakeReplay(keep_schedule=False)
     runner = _runner(replay, tmp_path)
