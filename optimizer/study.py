@@ -29,6 +29,7 @@ Imports optuna, never ray or mlflow (those live behind the runner and tracking s
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import socket
 import time
@@ -408,9 +409,39 @@ def _sampler(
 
 
 class _GridSampler(optuna.samplers.GridSampler):
-    """Optuna's grid sampler for an ask/tell loop: once every grid point is measured it calls
-    ``study.stop()``, which only ``study.optimize`` allows (a RuntimeError from ``tell``
-    otherwise); the driver asks :meth:`is_exhausted` before it launches instead."""
+    """Optuna's grid sampler made safe to resume, for an ask/tell loop.
+
+    - Optuna numbers the grid's points in an order shuffled by the seed, and gives trial *n* point
+      *n*: a study resumed with another seed (or holding enqueued trials, which take numbers but
+      no point) would read its measured points as other ones, measure some twice and never reach
+      others. Here a point's number is its place in the grid's own order (the same in every
+      driver), the seed only picks which unmeasured point comes next, and a point that any
+      finished or running trial holds (enqueued ones too, matched by their values) counts as taken.
+    - Once every point is measured Optuna calls ``study.stop()``, which only ``study.optimize``
+      allows (a RuntimeError from ``tell`` otherwise); the driver asks :meth:`is_exhausted`
+      before it launches instead.
+    """
+
+    def __init__(self, search_space: dict[str, list[Any]], seed: int | None = None) -> None:
+        super().__init__(search_space, seed=seed)
+        self._all_grids = list(itertools.product(*self._search_space.values()))
+        self._index = {point: i for i, point in enumerate(self._all_grids)}
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if "grid_id" in trial.system_attrs or "fixed_params" in trial.system_attrs:
+            return
+        free = self._get_unvisited_grid_ids(study) or list(range(len(self._all_grids)))
+        grid_id = int(self._rng.rng.choice(sorted(free)))
+        study._storage.set_trial_system_attr(trial._trial_id, "search_space", self._search_space)
+        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", grid_id)
+
+    def _get_unvisited_grid_ids(self, study: optuna.Study) -> list[int]:
+        free = set(super()._get_unvisited_grid_ids(study))
+        for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
+            if t.state.is_finished() or t.state == TrialState.RUNNING:
+                point = tuple(t.params.get(name, _NO_VALUE) for name in self._param_names)
+                free.discard(self._index.get(point, -1))
+        return sorted(free)
 
     def after_trial(
         self,
@@ -420,6 +451,9 @@ class _GridSampler(optuna.samplers.GridSampler):
         values: Sequence[float] | None,
     ) -> None:
         return None
+
+
+_NO_VALUE = object()
 
 
 def is_baseline(trial: FrozenTrial) -> bool:

@@ -451,6 +451,37 @@ def test_grid_sampler_measures_every_point_once_then_stops_and_resumes(tmp_path:
     assert len(runner.specs) == 3  # the resumed driver measured only what was left
 
 
+def test_grid_sampler_resumed_with_another_seed_and_an_enqueued_point_measures_each_once(
+    tmp_path: Path,
+) -> None:
+    """Optuna numbers the grid in a seed-shuffled order: resumed with another seed, its measured
+    points would be read as others (seen: a 36-point grid study measured 9 points twice and left
+    8 out). Here the numbering is the seed's no more, and an enqueued point counts as taken."""
+    grid = {"name": "grid", "seed": 0}
+    point = {"max-num-seqs": 16, "max-num-batched-tokens": 1024}
+    _driver(tmp_path, FakeRunner(), trials=3, search_space=_GRID_SPACE, sampler=grid).run()
+    runner = FakeRunner()
+    study = _driver(
+        tmp_path,
+        runner,
+        trials=20,
+        search_space=_GRID_SPACE,
+        sampler={**grid, "seed": 7},
+        enqueue=[point],
+    ).run()
+    trials = study.get_trials()
+    measured = [
+        (
+            json.loads(t.user_attrs["engine_args"])["max-num-seqs"],
+            json.loads(t.user_attrs["engine_args"])["max-num-batched-tokens"],
+        )
+        for t in trials[1:]
+    ]
+    assert sorted(measured) == sorted({(s, b) for s in (4, 16, 64) for b in (512, 1024)})
+    assert all(t.state == TrialState.COMPLETE for t in trials)  # no duplicate was even proposed
+    assert len(trials) == 7 and len(runner.specs) == 4
+
+
 def test_grid_sampler_refuses_a_continuous_param_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(SearchSpaceError, match=r"max-num-seqs.*categorical.*step"):
         _driver(tmp_path, FakeRunner(), sampler={"name": "grid"})
