@@ -10,6 +10,7 @@ bounded length (:mod:`optimizer.text`). :func:`load_job` is the only way in.
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "ModelSection",
     "ObjectivesSection",
     "SamplerSection",
+    "SpeculationSection",
     "StabilitySection",
     "TraceSection",
     "load_job",
@@ -90,6 +92,46 @@ class ModelSection(_Strict):
     max_model_len: int | None = Field(default=None, gt=0)
 
 
+class SpeculationSection(_Strict):
+    """The acceptance that trials with speculative decoding are measured at.
+
+    With random (dummy) weights a draft's acceptance means nothing; vLLM's synthetic rejection
+    sampler runs the real proposer and verification but accepts draft tokens at the stated rate
+    (:mod:`search_spaces.speculation`). State your model's measured acceptance, or a value to
+    test against. Exactly one of:
+
+    Attributes:
+        acceptance_length: Mean tokens per verification step, accepted drafts plus the bonus
+            token (1 = nothing accepted; at most num_speculative_tokens + 1).
+        acceptance_rates: Per-position unconditional acceptance rates in [0, 1], not increasing
+            (a trial drafting fewer tokens uses the first ones).
+    """
+
+    acceptance_length: float | None = Field(default=None, ge=1)
+    acceptance_rates: list[float] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> SpeculationSection:
+        if (self.acceptance_length is None) == (self.acceptance_rates is None):
+            raise ValueError(
+                "state exactly one of acceptance_length (e.g. 2.5) and acceptance_rates "
+                "(e.g. [0.8, 0.6, 0.4])"
+            )
+        rates = self.acceptance_rates or []
+        if any(not 0 <= r <= 1 for r in rates) or any(b > a for a, b in itertools.pairwise(rates)):
+            raise ValueError(
+                f"acceptance_rates must lie in [0, 1] and not increase with the position "
+                f"(got {rates})"
+            )
+        return self
+
+    def describe(self) -> str:
+        """The assumption in words (reports, MLflow)."""
+        if self.acceptance_rates is not None:
+            return f"per-position acceptance rates {self.acceptance_rates}"
+        return f"mean acceptance length {self.acceptance_length:g}"
+
+
 class EngineSection(_Strict):
     """How every trial's server is started.
 
@@ -105,6 +147,8 @@ class EngineSection(_Strict):
             GPUs and import vLLM in it (:mod:`optimizer.engine.preload`), so the next start
             skips the imports. None (auto): on for GPU trials, off on the CPU build, where the
             imports would take cores from the replay being measured.
+        speculation: The acceptance trials with speculative decoding are measured at
+            (required when the model has random weights and the study can turn speculation on).
     """
 
     python: PlainText | None = None
@@ -114,6 +158,7 @@ class EngineSection(_Strict):
     kv_cache_gib: int | None = Field(default=None, ge=1)
     baseline_args: dict[str, Any] | None = None
     preload: bool | None = None
+    speculation: SpeculationSection | None = None
 
     _args = field_validator("args", "baseline_args")(_plain_tree)
 

@@ -68,6 +68,7 @@ from optimizer.trial_view import (
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
 from optimizer.warm_start import WarmStart, warm_start_configs
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
+from search_spaces.speculation import speculation_possible, with_acceptance
 
 __all__ = [
     "StudyDriver",
@@ -120,6 +121,14 @@ class StudyPlan:
     vllm: str = ""
     warm_start: tuple[WarmStart, ...] = ()
     notes: tuple[str, ...] = ()
+
+    def with_acceptance(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A trial's engine arguments with the job's stated speculation acceptance in an
+        enabled ``speculative-config`` (:mod:`search_spaces.speculation`); else unchanged."""
+        stated = self.job.engine.speculation
+        if stated is None:
+            return args
+        return with_acceptance(args, length=stated.acceptance_length, rates=stated.acceptance_rates)
 
     def trial_spec(
         self,
@@ -260,9 +269,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         make_model(model, job.model.make, max_model_len=job.model.max_model_len)
 
     shaped, notes = _shaped_trace(job)
-    space = load_space(job.search_space)
-    if job.sampler.name == "grid":
-        space.grid()  # every param enumerable: refused here, before anything starts
+    space = _job_space(job)
     objectives = load_objectives(
         job.objectives.preset if not job.objectives.objectives else None,
         job.objectives.objectives,
@@ -293,6 +300,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
 
     if install is not None:
         _validate_flags(install, space, engine_args, baseline)
+    _refuse_unstated_speculation(job, space, engine_args, baseline)
 
     token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
@@ -325,6 +333,42 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         warm_start=tuple(warm),
         notes=tuple(warm_notes),
     )
+
+
+def _job_space(job: JobConfig) -> SearchSpace:
+    space = load_space(job.search_space)
+    if job.sampler.name == "grid":
+        space.grid()  # every param enumerable: refused here, before anything starts
+    return space
+
+
+def _refuse_unstated_speculation(
+    job: JobConfig, space: SearchSpace, engine_args: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    """Speculation on random weights measures nothing unless the job states the acceptance."""
+    if job.engine.speculation is not None or "dummy" not in (
+        engine_args.get("load-format"),
+        baseline.get("load-format"),
+    ):
+        return
+    fixed = {k: v for k, v in space.fixed.items() if not k.startswith("speculative-config.")}
+    dotted = {
+        k.partition(".")[2]: v
+        for k, v in space.fixed.items()
+        if k.startswith("speculative-config.")
+    }
+    if dotted:
+        fixed["speculative-config"] = dotted
+    if speculation_possible(space.params, [engine_args, baseline, fixed]):
+        raise ConfigError(
+            "the search space (or the engine args) can turn speculative decoding on, but the "
+            "model has random weights (load-format: dummy): a draft's tokens would be accepted "
+            "at random and the measurement would say nothing about your model. State the "
+            "acceptance to measure at, from your model's measured acceptance (e.g. vLLM's "
+            "spec-decode metrics) or a value to test: engine: {speculation: "
+            "{acceptance_length: 2.5}} (or acceptance_rates: [0.8, 0.6, 0.4]); or take "
+            "speculative-config out of the space"
+        )
 
 
 def _with_warm_start(
@@ -762,6 +806,7 @@ class StudyDriver:
             args = dict(self.plan.baseline_args)
         else:
             args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
+        args = self.plan.with_acceptance(args)
         encoded = record_engine_args(trial, args)
         twin = self._measured_twin(encoded)
         if twin is not None:

@@ -73,6 +73,7 @@ from optimizer.study_folder import (
     storage_url_of,
 )
 from optimizer.trial_view import TrialView, metric_names
+from search_spaces.speculation import stated_acceptance
 
 __all__ = [
     "SyncSummary",
@@ -681,6 +682,7 @@ class _Syncer:
             "slos": ", ".join(plan.get("slos", [])),
             "trace": Path(str(plan.get("trace") or "")).name,
             "vllm": str(plan.get("vllm") or ""),
+            "speculation_acceptance": stated_acceptance(plan) or "",
         }
         self._log(
             self.parent,

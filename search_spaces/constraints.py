@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from search_spaces.speculation import acceptance_problems
+
 __all__ = ["CPU_BLOCK_MULTIPLE", "ConstraintContext", "check_constraints"]
 
 CPU_BLOCK_MULTIPLE: Final[int] = 32
@@ -165,7 +167,7 @@ def _speculation_problems(value: Any) -> list[str]:
         return []
     if value.get("method") is None and value.get("model") is None:
         return []
-    problems: list[str] = []
+    problems: list[str] = acceptance_problems(value)
     tokens = value.get("num_speculative_tokens")
     count = _int(tokens)
     if tokens is not None and (count is None or count < 1):

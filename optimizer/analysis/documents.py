@@ -15,6 +15,7 @@ from optimizer.analysis.diagnosis import diagnose
 from optimizer.analysis.front import trial_class
 from optimizer.analysis.trial_cost import study_cost
 from optimizer.trial_view import TrialView, baseline_of, metric_names
+from search_spaces.speculation import stated_acceptance
 
 __all__ = ["capacity_section", "headline_md", "report_md", "stability_section"]
 
@@ -258,6 +259,13 @@ def _facts(
             f"- objectives: {', '.join(plan.get('objectives', []))}",
             f"- SLOs: {', '.join(plan.get('slos', [])) or 'none'}",
         ]
+        stated = stated_acceptance(plan)
+        if stated:
+            lines.append(
+                f"- speculative decoding measured at a stated {stated} (vLLM's synthetic "
+                "rejection sampler): the trials with speculation assumed it; a real draft's "
+                "acceptance decides what a deployment gets"
+            )
     counts = Counter(TrialView(t).status for t in over)
     lines += [
         f"- trials: {len(study.get_trials(deepcopy=False))} ("

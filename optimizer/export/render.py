@@ -29,6 +29,7 @@ import yaml
 
 from optimizer.errors import ConfigError
 from optimizer.text import escape_controls, text_problem
+from search_spaces.speculation import synthetic_assumption, without_synthetic
 
 __all__ = [
     "CPU_IMAGE",
@@ -198,8 +199,11 @@ class ExportContext:
     def local_args(self) -> dict[str, Any]:
         """Arguments for a server on the tuning machine (vllm-config, vllm-cli): the deployed
         ones, plus ``load-format: dummy`` when the study served random weights."""
-        args = self.deploy_args()
-        return {"load-format": "dummy", **args} if self.random_weights else args
+        if self.random_weights:
+            # As measured: the synthetic sampler stands in for the random weights' draft.
+            tuned = {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
+            return {"load-format": "dummy", **tuned}
+        return self.deploy_args()
 
     def local_notes(self) -> list[str]:
         """What a user of a local export must know: random weights, the server environment."""
@@ -227,13 +231,27 @@ class ExportContext:
         ]
         if self.capacity:
             lines.append(f"Capacity at SLO: {self.capacity}")
+        assumed = synthetic_assumption(self.args)
+        if assumed:
+            kept = (
+                "kept (this file starts a server on random weights, as measured)"
+                if self.random_weights and not deploy
+                else "left out here"
+            )
+            lines.append(
+                f"ASSUMED: {assumed}. The synthetic sampler's keys are {kept}; the numbers "
+                "hold for a real draft whose acceptance matches the stated one."
+            )
         lines += [f"NOTE: {n}" for n in self.notes]
         if deploy:
             lines += self.deploy_notes()
         return _comments(lines, comment)
 
     def deploy_args(self) -> dict[str, Any]:
-        return {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
+        """The tuned arguments a deployment runs: without tuning-machine-only flags and without
+        the synthetic sampler that stood in for a real draft's acceptance."""
+        args = without_synthetic(self.args)
+        return {k: v for k, v in args.items() if k not in _LOCAL_ONLY and v is not None}
 
 
 def _local_path(model: str) -> bool:

@@ -913,3 +913,36 @@ def test_a_deployment_name_with_a_control_character_is_refused_naming_the_flag()
             ex.context(saved, choice, "g", deployment=deployment)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--image: longer than"):
         ex.context(saved, choice, "g", deployment=ex.Deployment(image="x" * 2000))  # type: ignore[arg-type]
+
+
+_SYNTHETIC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "rejection_sample_method": "synthetic",
+    "synthetic_acceptance_length": 2.5,
+}
+
+
+@pytest.mark.parametrize("fmt", ["kubernetes", "helm", "ray-serve"])
+def test_a_deployment_never_gets_the_synthetic_sampler_and_its_header_says_what_was_assumed(
+    fmt: str,
+) -> None:
+    text = ex.render(fmt, _ctx(**{"speculative-config": dict(_SYNTHETIC)}))
+    assert "synthetic_acceptance_length" not in text.split("ASSUMED")[0]
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "synthetic" not in body and "num_speculative_tokens" in body
+    assert "# ASSUMED: speculative decoding (ngram, 3 tokens) measured at a stated mean " in text
+    assert "left out here" in text
+
+
+def test_a_local_server_on_random_weights_keeps_the_synthetic_sampler_as_measured() -> None:
+    text = ex.render("vllm-config", _ctx(**{"speculative-config": dict(_SYNTHETIC)}))
+    body = yaml.safe_load(text)
+    assert body["speculative-config"] == _SYNTHETIC and body["load-format"] == "dummy"
+    assert "kept (this file starts a server on random weights" in text
+    # With real weights the local file is a deployment too: no synthetic sampler.
+    real = {k: v for k, v in _ctx().args.items() if k != "load-format"}
+    ctx = ex.ExportContext(
+        **{**_ctx().__dict__, "args": {**real, "speculative-config": dict(_SYNTHETIC)}}
+    )
+    assert "synthetic" not in yaml.safe_dump(yaml.safe_load(ex.render("vllm-config", ctx)))

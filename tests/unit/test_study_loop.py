@@ -529,3 +529,63 @@ def test_warm_start_from_a_folder_that_is_no_study_names_the_key(tmp_path: Path)
         ConfigError, match=r"warm_start\.studies\[0\]: .* is not a study folder \(no plan\.json\)"
     ):
         _driver(tmp_path, FakeRunner(), warm_start={"studies": [str(tmp_path / "empty")]})
+
+
+_SPEC_SPACE = {
+    "name": "spec",
+    "params": {
+        "max-num-seqs": {"type": "categorical", "choices": [4, 16]},
+        "speculative-config.method": {"type": "categorical", "choices": ["ngram"]},
+        "speculative-config.num_speculative_tokens": {"type": "categorical", "choices": [1, 3]},
+    },
+}
+
+
+def test_speculation_on_random_weights_is_refused_without_a_stated_acceptance(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"random weights.*acceptance_length: 2\.5"):
+        _driver(tmp_path, FakeRunner(), search_space=_SPEC_SPACE)
+    assert not (tmp_path / "out").exists()  # nothing written for a refused job
+
+
+def test_trials_with_speculation_run_the_synthetic_sampler_at_the_stated_acceptance(
+    tmp_path: Path,
+) -> None:
+    runner = FakeRunner()
+    engine = {"args": {"max-model-len": 2048}, "speculation": {"acceptance_length": 2.5}}
+    study = _driver(
+        tmp_path,
+        runner,
+        engine=engine,
+        search_space=_SPEC_SPACE,
+        sampler={"name": "grid", "seed": 0},
+        trials=5,
+    ).run()
+    by_tokens: dict[int, list[Any]] = {}
+    for t in study.get_trials()[1:]:
+        spec = json.loads(t.user_attrs["engine_args"])["speculative-config"]
+        by_tokens.setdefault(spec["num_speculative_tokens"], []).append((t, spec))
+    # 3 tokens: the assumption reaches the server (and the trial's record).
+    for t, spec in by_tokens[3]:
+        assert spec["rejection_sample_method"] == "synthetic"
+        assert spec["synthetic_acceptance_length"] == 2.5
+        assert t.state == TrialState.COMPLETE
+    # 1 token: a mean acceptance of 2.5 cannot happen (at most 2): refused before a server.
+    for t, _ in by_tokens[1]:
+        assert t.user_attrs["status"] == TrialStatus.REJECTED.value
+        assert "cannot happen with num_speculative_tokens 1" in t.user_attrs["message"]
+    started = [s.engine.args.get("speculative-config") for s in runner.specs]
+    assert all(s is None or s["num_speculative_tokens"] == 3 for s in started)
+    assert len(by_tokens[1]) == 2 and len(by_tokens[3]) == 2
+    # The baseline has no speculation: untouched.
+    assert "speculative-config" not in runner.specs[0].engine.args
+
+
+def test_a_stated_acceptance_must_be_one_of_length_and_rates(tmp_path: Path) -> None:
+    both = {"acceptance_length": 2.0, "acceptance_rates": [0.5]}
+    with pytest.raises(ConfigError, match="exactly one of acceptance_length"):
+        load_job(_job(tmp_path, engine={"speculation": both}), base=tmp_path)
+    rising = {"acceptance_rates": [0.5, 0.9]}
+    with pytest.raises(ConfigError, match="not increase"):
+        load_job(_job(tmp_path, engine={"speculation": rising}), base=tmp_path)
