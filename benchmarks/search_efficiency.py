@@ -237,6 +237,7 @@ class OfflineStudy:
         self.found = table.baseline
         self.run = Run()
         self.measured: dict[str, float | None] = {}
+        self.upper_rps = 0.0
 
     def measure(self, key: str) -> tuple[float | None, bool]:
         """(told capacity req/s, or None when raced out; raced) for one trial of ``key``."""
@@ -248,6 +249,8 @@ class OfflineStudy:
         self.seconds += cost
         est = result.estimate.scale if result.estimate is not None else result.scale
         told = None if result.raced_out else est * m.rps_per_scale
+        # A raced-out trial's capacity lies below the race step: the study reports that bound.
+        self.upper_rps = (race or 0.0) * m.rps_per_scale
         if told is None or told <= self.best_told:
             self.run.losing_trial_s.append(cost)
         if told is not None and told > self.best_told:
@@ -285,13 +288,16 @@ def run_sampler(
         trial = study.ask()
         params = {k: trial.suggest_categorical(k, v) for k, v in table.grid.items()}
         key = table.key(params)
-        if key in study_.measured:  # a real study starts no engine twice for one configuration
+        if key in study_.measured or key not in table.configs:
+            # A real study starts no engine twice for one configuration; a partial table (no
+            # result) has points nobody measured.
             repeats += 1
             study.tell(trial, state=TrialState.FAIL)
             continue
         repeats = 0
         told, _raced = study_.measure(key)
         if told is None:
+            trial.report(study_.upper_rps, 0)  # as the real driver tells a raced-out trial
             study.tell(trial, state=TrialState.PRUNED)
         else:
             study.tell(trial, told)
@@ -303,16 +309,18 @@ def run_one_at_a_time(table: Table, settings: CapacitySettings, seed: int, budge
     study_ = OfflineStudy(table, settings, racing=False, rng=random.Random(seed))
     study_.measure(table.baseline)
     current = {k: _nearest_default(k, v) for k, v in table.grid.items()}
-    best = study_.measure(table.key(current))[0] or 0.0
+    start_key = table.key(current)
+    best = (study_.measure(start_key)[0] or 0.0) if start_key in table.configs else 0.0
     for name in [n for n in GUIDE_ORDER if n in table.grid] + sorted(
         set(table.grid) - set(GUIDE_ORDER)
     ):
         start = dict(current)  # this parameter's values are tried from where it started
         for value in table.grid[name]:
             candidate = {**start, name: value}
-            if table.key(candidate) in study_.measured or study_.seconds >= budget_s:
+            key = table.key(candidate)
+            if key in study_.measured or key not in table.configs or study_.seconds >= budget_s:
                 continue
-            told = study_.measure(table.key(candidate))[0] or 0.0
+            told = study_.measure(key)[0] or 0.0
             if told > best:
                 best, current = told, candidate
     return study_.run
