@@ -78,3 +78,24 @@ def test_unknown_preset_names_the_choices(tmp_path: Path) -> None:
 def test_model_info_without_config_says_how_to_make_one(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="make-model"):
         model_info(tmp_path)
+
+
+@pytest.mark.parametrize(("draft", "layers"), [("llama-3.2-1b", 16), ("eagle-llama-3.1-8b", 1)])
+def test_the_8b_shapes_drafts_share_its_vocabulary_and_are_much_smaller(
+    tmp_path: Path, draft: str, layers: int
+) -> None:
+    target, d = PRESETS["llama-3.1-8b"], PRESETS[draft]
+    assert d["vocab_size"] == target["vocab_size"] and d["_special"] == target["_special"]
+    assert d["num_hidden_layers"] == layers < target["num_hidden_layers"]
+
+    def params(p: dict[str, object]) -> float:
+        h, i, n, v = (
+            float(p[k])
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+        )
+        return n * (4 * h * h + 3 * h * i) + v * h
+
+    assert params(d) < 0.25 * params(target)
+    folder = make_model(tmp_path / draft, draft, max_model_len=8192)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == layers and config["max_position_embeddings"] == 8192
