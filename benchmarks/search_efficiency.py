@@ -247,7 +247,7 @@ class OfflineStudy:
         result = search_capacity(server, replace(self.settings, race_at=race))
         cost = m.startup_s + self.table.step_overhead_s * (server.steps + 1) + server.seconds
         self.seconds += cost
-        est = result.estimate.scale if result.estimate is not None else result.scale
+        est = result.estimate.scale
         told = None if result.raced_out else est * m.rps_per_scale
         # A raced-out trial's capacity lies below the race step: the study reports that bound.
         self.upper_rps = (race or 0.0) * m.rps_per_scale

@@ -156,8 +156,8 @@ class CapacityResult:
     steps: tuple[StepOutcome, ...]
     converged: bool
     stop: str
+    estimate: CapacityEstimate
     spread: float = 0.0
-    estimate: CapacityEstimate | None = None
     raced: bool = False
     race_scale: float | None = None
 

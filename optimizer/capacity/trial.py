@@ -45,7 +45,6 @@ from optimizer.capacity.measure import (
     step_doc,
 )
 from optimizer.capacity.search import (
-    CapacityEstimate,
     CapacityResult,
     StepOutcome,
     search_capacity,
@@ -192,7 +191,7 @@ def capacity_summary(spec: TrialSpec, search: CapacityResult) -> dict[str, float
     if shown is not None and shown.stopped_early:
         summary["partial"] = 1.0  # no scale passed and the lowest was cut short
     per_scale = _rps_per_scale(spec, search)
-    estimate = search.estimate.scale if search.estimate is not None else search.scale
+    estimate = search.estimate.scale
     summary["capacity_scale"] = estimate
     summary["capacity_rps"] = estimate * per_scale
     summary["capacity_rps_lo"] = search.lo * per_scale
@@ -262,7 +261,7 @@ def capacity_doc(
         return v if math.isfinite(v) else None
 
     per_scale = _rps_per_scale(spec, search)
-    est = search.estimate or CapacityEstimate(search.scale, search.lo, search.hi, "bracket")
+    est = search.estimate
     return {
         "scale": search.scale,
         "rps": est.scale * per_scale,

@@ -70,7 +70,7 @@ def test_a_configuration_that_serves_nothing_has_no_estimate() -> None:
     settings = CapacitySettings(start_scale=1.0, min_scale=0.25, max_steps=8, noise=0.0)
     result = search_capacity(fake_server(0.0), settings)
     assert result.scale == 0.0
-    assert result.estimate is not None and result.estimate.scale == 0.0
+    assert result.estimate.scale == 0.0
     assert result.estimate.method == "none" and result.estimate.uncertainty == 0.0
     # Racing cannot make a server that serves nothing look raced out: it failed at the floor.
     raced = search_capacity(fake_server(0.0), CapacitySettings(min_scale=0.25, race_at=0.4))
@@ -79,7 +79,7 @@ def test_a_configuration_that_serves_nothing_has_no_estimate() -> None:
 
 def test_passing_at_the_highest_scale_is_a_lower_bound() -> None:
     result = search_capacity(fake_server(50.0), CapacitySettings(max_scale=4.0, noise=0.0))
-    assert result.estimate is not None and result.estimate.method == "lower bound"
+    assert result.estimate.method == "lower bound"
     assert result.estimate.scale == 4.0 and math.isinf(result.estimate.hi)
 
 
@@ -113,7 +113,7 @@ def test_a_losing_configuration_stops_after_two_steps_bounded_from_below() -> No
     assert (raced.lo, raced.hi) == (pytest.approx(0.63), 1.0)
     assert "raced out" in raced.stop
     # The estimate from the two steps' margins, not the bracket's lower end.
-    assert raced.estimate is not None and raced.estimate.method == "interpolated"
+    assert raced.estimate.method == "interpolated"
     assert raced.lo <= raced.estimate.scale <= raced.hi
     assert abs(raced.estimate.scale - capacity) < abs(raced.scale - capacity)
     # Cheaper than today's search of the same configuration by at least 3x in steps.
@@ -150,7 +150,6 @@ def test_a_better_configuration_passes_the_race_and_is_searched_up_from_there() 
     assert result.steps[0].scale == incumbent and result.steps[0].passed
     assert result.steps[1].scale == pytest.approx(incumbent * settings.race_growth)
     assert result.scale <= capacity < result.hi
-    assert result.estimate is not None
     assert abs(result.estimate.scale - capacity) <= _half_bracket(result)
 
 
