@@ -992,6 +992,9 @@ def build_parser() -> argparse.ArgumentParser:
     from optimizer.regress.command import register as register_regress
 
     register_regress(sub)
+    from optimizer.speculation.command import register as register_spec_sweep
+
+    register_spec_sweep(sub)
     return parser
 
 

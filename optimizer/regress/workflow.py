@@ -235,7 +235,7 @@ def read_regress(folder: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _prepare(folder: Path, saved: Mapping[str, Any]) -> StudyPlan:
+def prepare_again(folder: Path, saved: Mapping[str, Any]) -> StudyPlan:
     """The study's plan, prepared again here, its output folder the study folder now. Flags
     are checked per configuration (:func:`_flag_problems`), not over the whole search space:
     an upgrade that drops a flag the two configurations do not use is no regression of theirs.
@@ -317,7 +317,7 @@ def run_regress(
     say = progress or (lambda _: None)
     figures = figures_of(saved)
     policy, configs = _configs(study, options)
-    plan = _prepare(folder, saved)
+    plan = prepare_again(folder, saved)
     then = recorded_stack(saved)
     now_stack = installed_stack(plan.job.engine.python, cpu_build=plan.context.cpu_build)
     for line in stack_changes(then, now_stack) or ["nothing the study recorded differs"]:

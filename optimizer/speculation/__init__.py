@@ -1,0 +1,1 @@
+"""Speculative decoding at a stated acceptance: the break-even sweep (``spec-sweep``)."""

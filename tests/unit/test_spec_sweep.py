@@ -1,0 +1,110 @@
+"""The break-even sweep of speculative decoding: its arithmetic, what it runs, what it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimizer.errors import ConfigError
+from optimizer.speculation.sweep import SWEEP_FILE, break_even, run_sweep, sweep_points
+from optimizer.types import TrialResult, TrialSpec, TrialStatus
+from tests.fakes.trials import ScriptedRunner
+from tests.unit.test_study_loop import _SPEC_SPACE, FakeRunner, _driver
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_break_even_interpolates_between_the_last_loss_and_the_first_win() -> None:
+    # Capacity (higher is better): off carries 10; 1.5 carries 8, 2.5 carries 12 -> 2.0.
+    answer = break_even(10.0, [(2.5, 12.0), (1.5, 8.0), (1.0, 6.0)])
+    assert answer.length == pytest.approx(2.0)
+    assert "between 1.5, which lost, and 2.5, which won" in answer.text
+    # P95 TPOT (lower is better).
+    tpot = break_even(24.0, [(1.5, 40 / 1.5), (2.0, 20.0)], higher_is_better=False)
+    assert tpot.length == pytest.approx(1.7)
+
+
+def test_break_even_outside_the_lengths_measured_is_said_not_extrapolated() -> None:
+    always = break_even(10.0, [(1.5, 11.0), (2.0, 13.0)])
+    assert always.length is None and "wins at every length measured" in always.text
+    never = break_even(10.0, [(1.5, 5.0), (3.0, 9.0)])
+    assert never.length is None and "break-even > 3" in never.text
+    unmeasured = break_even(float("nan"), [(1.5, 5.0)])
+    assert unmeasured.length is None and "not measured" in unmeasured.text
+
+
+def test_sweep_points_turn_speculation_off_once_and_skip_unreachable_lengths() -> None:
+    args = {
+        "max-num-seqs": 8,
+        "speculative-config": {
+            **NGRAM,
+            "synthetic_acceptance_length": 2.5,
+            "rejection_sample_method": "synthetic",
+        },
+    }
+    runs = sweep_points(args, [1.0, 2.0, 4.0, 5.0])
+    assert [label for label, _ in runs] == ["off", "1", "2", "4"]  # 5 > 3 tokens + 1
+    assert runs[0][1] == {"max-num-seqs": 8}
+    assert runs[2][1]["speculative-config"]["synthetic_acceptance_length"] == 2.0
+    with pytest.raises(ConfigError, match="no speculative decoding"):
+        sweep_points({"max-num-seqs": 8}, [2.0])
+    with pytest.raises(ConfigError, match="can happen with num_speculative_tokens 3"):
+        sweep_points(args, [4.5, 6.0])
+
+
+class FakeSpeculationRunner(ScriptedRunner):
+    """FAKE server: P95 TPOT 24 ms without speculation, 40 / L ms at acceptance length L."""
+
+    def result(self, spec: TrialSpec) -> TrialResult:
+        sc = spec.engine.args.get("speculative-config")
+        tpot = 24.0 if sc is None else 40.0 / sc["synthetic_acceptance_length"]
+        return TrialResult(
+            number=spec.number,
+            status=TrialStatus.COMPLETE,
+            summary={"p95_tpot_ms": tpot, "p95_ttft_ms": 100.0, "output_throughput": 50.0},
+        )
+
+
+def test_the_sweep_runs_the_chosen_trial_off_and_at_each_length_and_writes_the_answer(
+    tmp_path: Path,
+) -> None:
+    engine = {"args": {"max-model-len": 2048}, "speculation": {"acceptance_length": 2.5}}
+    study = _driver(
+        tmp_path,
+        FakeRunner(),
+        engine=engine,
+        search_space=_SPEC_SPACE,
+        sampler={"name": "grid", "seed": 0},
+        trials=5,
+    ).run()
+    chosen = next(
+        t
+        for t in study.get_trials()
+        if json.loads(t.user_attrs["engine_args"])
+        .get("speculative-config", {})
+        .get("num_speculative_tokens")
+        == 3
+    )
+    folder = tmp_path / "out"
+    saved = json.loads((folder / "plan.json").read_text())
+    runner = FakeSpeculationRunner()
+    lines: list[str] = []
+    doc = run_sweep(
+        folder,
+        saved,
+        study,
+        [1.5, 2.0, 3.0],
+        lambda plan: runner,
+        trial=chosen.number,
+        progress=lines.append,
+    )
+    started: list[Any] = [s.engine.args.get("speculative-config") for s in runner.specs]
+    assert started[0] is None  # speculation off
+    assert [s["synthetic_acceptance_length"] for s in started[1:]] == [1.5, 2.0, 3.0]
+    assert doc["figure"] == "p95_tpot_ms" and doc["break_even_length"] == pytest.approx(1.7)
+    assert [r["acceptance_length"] for r in doc["rows"]] == [None, 1.5, 2.0, 3.0]
+    assert json.loads((folder / SWEEP_FILE).read_text())["answer"] == doc["answer"]
+    assert len(lines) == 4
