@@ -253,8 +253,8 @@ class CapacitySection(_Strict):
             output tokens at capacity.
         racing: Race every tuned trial at the study's incumbent (its best capacity so far):
             the first step at the incumbent's scale; a configuration that fails there stops
-            after one more step (:mod:`optimizer.capacity.search`). Off: every trial searches
-            from ``start_scale``.
+            after one more step (:mod:`optimizer.capacity.search`). On by default (measured:
+            benchmarks/RESULTS.md, issue 26); off: every trial searches from ``start_scale``.
         race_margin: The race step is at the incumbent's scale times ``1 + race_margin``.
         race_growth: Factor between steps up from a passed race step.
     """
@@ -268,7 +268,7 @@ class CapacitySection(_Strict):
     max_repeats: int = Field(default=1, ge=0, le=5)
     peak_rps: float | None = Field(default=None, gt=0)
     gpu_hour_price: float | None = Field(default=None, gt=0)
-    racing: bool = False
+    racing: bool = True
     race_margin: float = Field(default=0.0, ge=-0.5, le=1.0)
     race_growth: float = Field(default=1.25, gt=1, le=4)
 

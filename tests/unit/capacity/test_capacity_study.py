@@ -111,6 +111,7 @@ def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
             "noise": 0.0,
             "peak_rps": 10,
             "gpu_hour_price": 4.0,
+            "racing": False,  # full searches; racing (the default) has its own tests below
         },
         "sampler": {"name": "random", "seed": 1},
         "enqueue": [{"max-num-seqs": 32}, {"max-num-seqs": 16}, {"max-num-seqs": 64}],
@@ -333,5 +334,13 @@ def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Pat
 
 def test_without_racing_no_trial_races(tmp_path: Path) -> None:
     runner = FakeCapacityRunner()
-    _run(tmp_path, runner)
+    job = _job(tmp_path)
+    _run(tmp_path, runner, capacity={**job["capacity"], "racing": False})
     assert all(s.capacity is not None and s.capacity.race_at is None for s in runner.specs)
+
+
+def test_racing_is_on_by_default(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    capacity = {k: v for k, v in job["capacity"].items() if k != "racing"}
+    loaded, _ = load_job({**job, "capacity": capacity}, base=tmp_path)
+    assert loaded.capacity.racing is True
