@@ -483,11 +483,36 @@ def main(argv: list[str] | None = None) -> int:
             + f" {r['losing_trial_s']:14.0f}"
         )
     print("* some seeds never reached it within the budget (median over all, unreached = inf)")
+    print_found_at(table, runs)
     if ns.png:
         plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {ns.seeds} seeds each")
     if ns.json:
         ns.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
     return 0
+
+
+def found_at(
+    table: Table,
+    runs: Mapping[str, list[Run]],
+    fractions: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0),
+) -> dict[str, list[tuple[float, float]]]:
+    """Per strategy and fraction of the grid's GPU time: the found configuration's truth as a
+    share of the table's best, mean over seeds and its 95 % half-width."""
+    full, start = table.full_grid_s(), table.truth[table.baseline]
+    out: dict[str, list[tuple[float, float]]] = {}
+    for name, rs in runs.items():
+        out[name] = []
+        for f in fractions:
+            v = [best_at(r, f * full, start) / table.best for r in rs]
+            half = 1.96 * statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else math.nan
+            out[name].append((statistics.fmean(v), half))
+    return out
+
+
+def print_found_at(table: Table, runs: Mapping[str, list[Run]]) -> None:
+    print("found, % of the table's best, at 10 / 25 / 50 / 100 % of the grid's GPU time:")
+    for name, cells in found_at(table, runs).items():
+        print(f"{name:>14} " + " ".join(f"{100 * m:5.0f} ±{100 * h:3.0f}" for m, h in cells))
 
 
 def _settings(job: Path) -> CapacitySettings:

@@ -171,5 +171,6 @@ def test_the_command_prints_its_table_and_draws_the_curves(tmp_path, capsys) -> 
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "tpe-racing" in out and "one-at-a-time" in out and "h to 95%" in out
+    assert "found, % of the table's best, at 10 / 25 / 50 / 100 %" in out
     assert png.stat().st_size > 10_000
     assert {r["strategy"] for r in json.loads(rows.read_text())} == set(STRATEGIES)
