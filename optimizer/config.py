@@ -10,7 +10,6 @@ bounded length (:mod:`optimizer.text`). :func:`load_job` is the only way in.
 from __future__ import annotations
 
 import difflib
-import itertools
 import re
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -31,6 +30,7 @@ from optimizer.errors import ConfigError
 from optimizer.stability.options import StabilityOptions, stability_options
 from optimizer.text import escape_controls, text_problem, tree_problem
 from optimizer.types import CapacitySettings
+from search_spaces.speculation import rates_problems
 
 __all__ = [
     "CapacitySection",
@@ -117,19 +117,10 @@ class SpeculationSection(_Strict):
                 "state exactly one of acceptance_length (e.g. 2.5) and acceptance_rates "
                 "(e.g. [0.8, 0.6, 0.4])"
             )
-        rates = self.acceptance_rates or []
-        if any(not 0 <= r <= 1 for r in rates) or any(b > a for a, b in itertools.pairwise(rates)):
-            raise ValueError(
-                f"acceptance_rates must lie in [0, 1] and not increase with the position "
-                f"(got {rates})"
-            )
+        problems = rates_problems(self.acceptance_rates or [])
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
-
-    def describe(self) -> str:
-        """The assumption in words (reports, MLflow)."""
-        if self.acceptance_rates is not None:
-            return f"per-position acceptance rates {self.acceptance_rates}"
-        return f"mean acceptance length {self.acceptance_length:g}"
 
 
 class EngineSection(_Strict):

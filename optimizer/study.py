@@ -351,15 +351,7 @@ def _refuse_unstated_speculation(
         baseline.get("load-format"),
     ):
         return
-    fixed = {k: v for k, v in space.fixed.items() if not k.startswith("speculative-config.")}
-    dotted = {
-        k.partition(".")[2]: v
-        for k, v in space.fixed.items()
-        if k.startswith("speculative-config.")
-    }
-    if dotted:
-        fixed["speculative-config"] = dotted
-    if speculation_possible(space.params, [engine_args, baseline, fixed]):
+    if speculation_possible(space.params, [engine_args, baseline, space.fixed_args()]):
         raise ConfigError(
             "the search space (or the engine args) can turn speculative decoding on, but the "
             "model has random weights (load-format: dummy): a draft's tokens would be accepted "
@@ -480,12 +472,12 @@ class _GridSampler(optuna.samplers.GridSampler):
         study._storage.set_trial_system_attr(trial._trial_id, "grid_id", grid_id)
 
     def _get_unvisited_grid_ids(self, study: optuna.Study) -> list[int]:
-        free = set(super()._get_unvisited_grid_ids(study))
-        for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
-            if t.state.is_finished() or t.state == TrialState.RUNNING:
-                point = tuple(t.params.get(name, _NO_VALUE) for name in self._param_names)
-                free.discard(self._index.get(point, -1))
-        return sorted(free)
+        taken = {
+            self._index.get(tuple(t.params.get(name, _NO_VALUE) for name in self._param_names))
+            for t in study._storage.get_all_trials(study._study_id, deepcopy=False)
+            if t.state.is_finished() or t.state == TrialState.RUNNING
+        }
+        return [i for i in range(len(self._all_grids)) if i not in taken]
 
     def after_trial(
         self,

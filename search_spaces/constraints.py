@@ -11,12 +11,11 @@ are vLLM's business.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from search_spaces.speculation import acceptance_problems
+from search_spaces.speculation import FLAG, rates_problems, speculation_on
 
 __all__ = ["CPU_BLOCK_MULTIPLE", "ConstraintContext", "check_constraints"]
 
@@ -158,27 +157,53 @@ def _chunked_prefill_off(flags: Mapping[str, Any]) -> bool:
 
 
 def _speculation_problems(value: Any) -> list[str]:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return []
-    if not isinstance(value, Mapping):
+    spec = speculation_on({FLAG: value})
+    if spec is None:
         return []
-    if value.get("method") is None and value.get("model") is None:
-        return []
-    problems: list[str] = acceptance_problems(value)
-    tokens = value.get("num_speculative_tokens")
+    problems: list[str] = _acceptance_problems(spec)
+    tokens = spec.get("num_speculative_tokens")
     count = _int(tokens)
     if tokens is not None and (count is None or count < 1):
         problems.append(
             f"speculative-config.num_speculative_tokens ({tokens!r}) must be >= 1 when "
             "speculative decoding is on; raise it or turn speculation off (method: null)"
         )
-    low, high = _int(value.get("prompt_lookup_min")), _int(value.get("prompt_lookup_max"))
+    low, high = _int(spec.get("prompt_lookup_min")), _int(spec.get("prompt_lookup_max"))
     if low is not None and high is not None and low > high:
         problems.append(
             f"speculative-config.prompt_lookup_min ({low}) > prompt_lookup_max ({high}); "
             "vLLM refuses it, keep min <= max"
         )
     return problems
+
+
+def _acceptance_problems(spec: Mapping[str, Any]) -> list[str]:
+    """What vLLM refuses about a ``speculative-config``'s synthetic acceptance (its own rules:
+    exactly one of length and rates; a length in [1, n + 1]; n rates in [0, 1], non-increasing)."""
+    if spec.get("rejection_sample_method") != "synthetic":
+        return []
+    n = _int(spec.get("num_speculative_tokens"))
+    length = spec.get("synthetic_acceptance_length")
+    rates = spec.get("synthetic_acceptance_rates")
+    if (length is None) == (rates is None):
+        return [
+            "speculative-config: the synthetic sampler needs exactly one of "
+            "synthetic_acceptance_length and synthetic_acceptance_rates"
+        ]
+    if length is not None:
+        if n is not None and not 1 <= float(length) <= n + 1:
+            return [
+                f"the stated acceptance length {length:g} cannot happen with "
+                f"num_speculative_tokens {n} (it lies in [1, {n + 1}]: the accepted drafts plus "
+                "the bonus token); allow more speculative tokens or state a shorter length"
+            ]
+        return []
+    values = list(rates or ())
+    problems = []
+    if n is not None and len(values) != n:
+        problems.append(
+            f"the stated acceptance has {len(values)} per-position rates but the trial drafts "
+            f"{n} tokens; state a rate for each position (or keep num_speculative_tokens <= "
+            f"{len(values)})"
+        )
+    return problems + rates_problems(values)

@@ -443,6 +443,10 @@ class SearchSpace(_Strict):
 
     # --- use ---------------------------------------------------------------------------------
 
+    def fixed_args(self) -> dict[str, Any]:
+        """The fixed flags as engine arguments (dotted flags assembled, as :meth:`suggest` does)."""
+        return _assemble(dict(self.fixed), self._switched())
+
     def suggest(self, trial: BaseTrial) -> dict[str, Any]:
         """Suggest one configuration, define-by-run.
 

@@ -10,8 +10,9 @@ measured with it goes.
 
 - :func:`with_acceptance`: a trial's engine arguments with the assumption put into an enabled
   ``speculative-config`` (and nothing changed when speculation is off).
-- :func:`acceptance_problems`: what vLLM would refuse about the assumption for this many
-  speculative tokens (checked before a server starts, like the other constraints).
+- :func:`rates_problems`: vLLM's rules for per-position rates (the rest of what vLLM refuses
+  about the assumption, for a trial's number of speculative tokens, is a constraint in
+  :mod:`search_spaces.constraints`, checked before a server starts).
 - :func:`without_synthetic` and :func:`synthetic_assumption`: what a deployment gets (the
   sampler's keys removed) and the words that say what the numbers assumed.
 - :func:`speculation_possible`: whether a study can turn speculation on at all (for the refusal
@@ -60,7 +61,7 @@ def with_acceptance(
 
     Speculation off, or no assumption: unchanged. Per-position rates longer than the trial's
     ``num_speculative_tokens`` are cut to it (the positions past it are never drafted); shorter
-    ones are left for :func:`acceptance_problems` to refuse.
+    ones are left for the constraints (:func:`search_spaces.check_constraints`) to refuse.
     """
     out = dict(args)
     spec = speculation_on(args)
@@ -70,53 +71,20 @@ def with_acceptance(
         spec.pop(key, None)
     spec["rejection_sample_method"] = "synthetic"
     if rates is not None:
-        n = _count(spec.get("num_speculative_tokens"))
-        spec["synthetic_acceptance_rates"] = list(rates[:n] if n else rates)
+        n = spec.get("num_speculative_tokens")
+        cut = isinstance(n, int) and not isinstance(n, bool) and n > 0
+        spec["synthetic_acceptance_rates"] = list(rates[:n] if cut else rates)
     else:
         spec["synthetic_acceptance_length"] = length
     out[FLAG] = spec
     return out
 
 
-def _count(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def acceptance_problems(spec: Mapping[str, Any]) -> list[str]:
-    """What vLLM refuses about a ``speculative-config``'s synthetic acceptance (its own rules:
-    exactly one of length and rates; a length in [1, n + 1]; n rates in [0, 1], non-increasing)."""
-    if spec.get("rejection_sample_method") != "synthetic":
-        return []
-    n = _count(spec.get("num_speculative_tokens"))
-    length = spec.get("synthetic_acceptance_length")
-    rates = spec.get("synthetic_acceptance_rates")
-    if (length is None) == (rates is None):
-        return [
-            "speculative-config: the synthetic sampler needs exactly one of "
-            "synthetic_acceptance_length and synthetic_acceptance_rates"
-        ]
-    if length is not None:
-        if n is not None and not 1 <= float(length) <= n + 1:
-            return [
-                f"the stated acceptance length {length:g} cannot happen with "
-                f"num_speculative_tokens {n} (it lies in [1, {n + 1}]: the accepted drafts plus "
-                "the bonus token); allow more speculative tokens or state a shorter length"
-            ]
-        return []
-    values = [float(r) for r in rates or ()]
+def rates_problems(rates: Sequence[float]) -> list[str]:
+    """vLLM's rules for per-position acceptance rates: each in [0, 1], none above the one
+    before (the job's ``acceptance_rates`` and a trial's ``synthetic_acceptance_rates``)."""
+    values = [float(r) for r in rates]
     problems = []
-    if n is not None and len(values) != n:
-        problems.append(
-            f"the stated acceptance has {len(values)} per-position rates but the trial drafts "
-            f"{n} tokens; state a rate for each position (or keep num_speculative_tokens <= "
-            f"{len(values)})"
-        )
     if any(not 0 <= r <= 1 for r in values):
         problems.append(f"acceptance rates must lie in [0, 1] (got {values})")
     if any(b > a for a, b in itertools.pairwise(values)):

@@ -107,52 +107,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 128001,
         "_special": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
     },
-    # Drafts for speculative decoding of the 8B shape (issue 28; same vocabulary, so the target's
-    # tokens are the draft's). With random weights their acceptance is meaningless: a study
-    # states it (engine.speculation) and vLLM's synthetic sampler applies it.
-    # A draft model of the family: Llama-3.2-1B's shapes (speculative-config method draft_model).
-    "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {**_LLAMA31_ROPE, "factor": 32.0},
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-        "_special": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
-    },
-    # An EAGLE head for the 8B (the shapes of the published EAGLE-LLaMA3.1-Instruct-8B: one
-    # decoder layer of the target's width; speculative-config method eagle).
-    "eagle-llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": _LLAMA31_ROPE,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-        "_special": {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>"},
-    },
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -175,6 +129,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "_special": {151643: "<|endoftext|>", 151645: "<|im_end|>"},
     },
 }
+
+# Drafts for speculative decoding of the 8B shape (issue 28): its vocabulary and special tokens,
+# so the target's tokens are the draft's. With random weights their acceptance is meaningless: a
+# study states it (engine.speculation) and vLLM's synthetic sampler applies it.
+# A draft model of the family, Llama-3.2-1B's shapes (speculative-config method draft_model):
+PRESETS["llama-3.2-1b"] = {
+    **PRESETS["llama-3.1-8b"],
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "head_dim": 64,
+    "rope_scaling": {**_LLAMA31_ROPE, "factor": 32.0},
+    "tie_word_embeddings": True,
+}
+# An EAGLE head for the 8B (the published EAGLE-LLaMA3.1-Instruct-8B's shapes: one decoder layer
+# of the target's width; speculative-config method eagle):
+PRESETS["eagle-llama-3.1-8b"] = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 1}
 
 _BYTE_TOKENS = BYTE_TOKENS
 

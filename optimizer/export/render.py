@@ -201,8 +201,7 @@ class ExportContext:
         ones, plus ``load-format: dummy`` when the study served random weights."""
         if self.random_weights:
             # As measured: the synthetic sampler stands in for the random weights' draft.
-            tuned = {k: v for k, v in self.args.items() if k not in _LOCAL_ONLY and v is not None}
-            return {"load-format": "dummy", **tuned}
+            return {"load-format": "dummy", **_served(self.args)}
         return self.deploy_args()
 
     def local_notes(self) -> list[str]:
@@ -250,8 +249,12 @@ class ExportContext:
     def deploy_args(self) -> dict[str, Any]:
         """The tuned arguments a deployment runs: without tuning-machine-only flags and without
         the synthetic sampler that stood in for a real draft's acceptance."""
-        args = without_synthetic(self.args)
-        return {k: v for k, v in args.items() if k not in _LOCAL_ONLY and v is not None}
+        return _served(without_synthetic(self.args))
+
+
+def _served(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments a server gets: tuning-machine-only flags and unset values left out."""
+    return {k: v for k, v in args.items() if k not in _LOCAL_ONLY and v is not None}
 
 
 def _local_path(model: str) -> bool:

@@ -119,16 +119,17 @@ def sweep_points(args: Mapping[str, Any], lengths: Sequence[float]) -> list[tupl
     return runs
 
 
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
 def _figure(result: TrialResult, capacity: bool) -> float:
+    """Capacity (req/s) or P95 TPOT (ms) of a complete run; NaN otherwise."""
     if result.status is not TrialStatus.COMPLETE:
         return math.nan
-    value = (result.capacity or {}).get("rps") if capacity else result.summary.get("p95_tpot_ms")
-    return float(value) if isinstance(value, int | float) else math.nan
-
-
-def _tpot(result: TrialResult) -> float:
-    value = result.summary.get("p95_tpot_ms")
-    return float(value) if isinstance(value, int | float) else math.nan
+    if capacity:
+        return _number((result.capacity or {}).get("rps"))
+    return _number(result.summary.get("p95_tpot_ms"))
 
 
 def run_sweep(
@@ -190,7 +191,7 @@ def _write(
             {
                 "acceptance_length": None if label == "off" else float(label),
                 figure: _figure(results[label], capacity),
-                "p95_tpot_ms": _tpot(results[label]),
+                "p95_tpot_ms": _number(results[label].summary.get("p95_tpot_ms")),
                 "status": results[label].status.value,
                 "message": results[label].message,
                 "engine_args": args,

@@ -40,7 +40,8 @@ def test_a_stated_acceptance_reaches_the_server_or_the_build_says_it_lacks_it(
         assert e.failure_class is FailureClass.INVALID_ARGUMENT
         pytest.skip(
             "this vLLM build refuses the synthetic sampler at start (classified "
-            f"{e.failure_class.value}): {e.log_lines[-1][:160]}"
+            f"{e.failure_class.value}): "
+            + next(ln for ln in e.log_lines if "Synthetic acceptance" in ln)[-160:]
         )
     try:
         r = httpx.post(
