@@ -35,13 +35,16 @@ SETTINGS = PlanSettings(
     long_input_s=9,
     long_every_s=4,
     long_group=4,
-    long_output_tokens=320,
+    long_output_tokens=640,
     window_s=4,
     sample_interval_s=1,
     drain_grace_s=60,
 )
-# Long inputs decode 320 tokens (about a second each on 2 cores): a server that holds them all
-# serves a group in well under 2 s; one whose KV cache holds one at a time queues the others.
+# Long inputs decode 640 tokens (1.3 s at the 2 ms TPOT of a fast CI machine, more on a slower
+# one): a server that holds them all serves a group's first tokens in well under 2 s; one whose
+# KV cache holds one at a time queues the others, the last of a group of 4 at least 3 decodes
+# (3.9 s) behind. With 320 tokens the fault's P95 sat at the SLO on a fast machine (a CI run saw
+# it pass as stable).
 SLOS = (parse_slo("p95_ttft_ms<=2000"), parse_slo("error_rate<=0.01"))
 
 
@@ -80,7 +83,7 @@ def test_stability_plan_passes_a_healthy_server_and_catches_a_too_small_kv_cache
     assert {w.phase for w in healthy.windows} == {"sustained", "burst", "recovery", "long_input"}
     json.dumps(healthy.doc())  # JSON-safe
 
-    # The forced fault: room for one long input (1696 + 320 tokens) and a few hundred more.
+    # The forced fault: room for one long input (1376 + 640 tokens) and a few hundred more.
     fault_config = EngineConfig(
         model=str(tiny_model),
         args={**TINY_ARGS, "max-num-batched-tokens": 512, "kv-cache-memory-bytes": 1_400_000},
