@@ -43,6 +43,9 @@ class TrialCapacity:
         gpus_per_server: GPUs one server takes (0 on the CPU build).
         broke_first: The SLO that broke first above the capacity (or at the lowest scale).
         steps: Steps measured.
+        kv_cache_tokens: Tokens the engine's KV cache holds, from its startup log (the memory
+            account beside the capacity: what FP8 KV cache or FP8 weights buy; None when the
+            log did not say).
     """
 
     number: int
@@ -56,6 +59,7 @@ class TrialCapacity:
     gpus_per_server: int
     broke_first: str | None
     steps: int
+    kv_cache_tokens: int | None = None
 
     @classmethod
     def of(cls, view: TrialView, cap: CapacityView, cpu_build: bool) -> TrialCapacity:
@@ -78,6 +82,7 @@ class TrialCapacity:
             gpus_per_server=view.gpus(cpu_build=cpu_build),
             broke_first=broke,
             steps=len(cap.steps),
+            kv_cache_tokens=_kv_tokens(view),
         )
 
 
@@ -123,6 +128,9 @@ class CapacityAnswer:
             out.append("best: the baseline itself (no tuned configuration carried more)")
         if self.gain is not None:
             out.append(f"capacity gain over the baseline: x{self.gain:.2f}")
+        kv = self.kv_line()
+        if kv:
+            out.append(kv)
         elif b is not None and b.rps <= 0 and w is not None and w.rps > 0:
             out.append("the baseline met the SLOs at no scale tried; the best does")
         if self.peak_rps is not None and self.servers:
@@ -139,6 +147,20 @@ class CapacityAnswer:
         out += list(self.unmet)
         return out
 
+    def kv_line(self) -> str:
+        """The memory account beside the capacity: KV cache tokens of the baseline and the best
+        (and their ratio), as their engines logged at startup; "" when neither said."""
+        b, w = self.baseline, self.best
+        parts = []
+        if b is not None and b.kv_cache_tokens:
+            parts.append(f"baseline {b.kv_cache_tokens:,} tokens")
+        if w is not None and w.kv_cache_tokens and (b is None or w.number != b.number):
+            text = f"best {w.kv_cache_tokens:,} tokens"
+            if b is not None and b.kv_cache_tokens:
+                text += f" (x{w.kv_cache_tokens / b.kv_cache_tokens:.2f})"
+            parts.append(text)
+        return "KV cache: " + ", ".join(parts) if parts else ""
+
     def export_line(self, number: int) -> str:
         """One line for an export header: trial ``number``'s capacity beside the baseline's."""
         mine = next((c for c in self.trials if c.number == number), None)
@@ -151,6 +173,8 @@ class CapacityAnswer:
             text += f"; baseline {b.rps:,.3g} req/s"
             if b.rps > 0:
                 text += f" (x{mine.rps / b.rps:.2f})"
+        if mine.kv_cache_tokens:
+            text += f"; KV cache {mine.kv_cache_tokens:,} tokens"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +202,9 @@ class CapacityAnswer:
             out["best_capacity_output_tps"] = self.best.output_tps
         if self.gain is not None:
             out["capacity_gain"] = self.gain
+        for k, c in (("baseline", self.baseline), ("best", self.best)):
+            if c is not None and c.kv_cache_tokens:
+                out[f"{k}_kv_cache_tokens"] = float(c.kv_cache_tokens)
         for k, n in self.servers.items():
             out[f"{k}_servers_for_peak"] = float(n)
         for k, n in self.gpus.items():
@@ -185,6 +212,11 @@ class CapacityAnswer:
         for k, cost in self.cost_per_m_output_tokens.items():
             out[f"{k}_cost_per_m_output_tokens"] = cost
         return out
+
+
+def _kv_tokens(view: TrialView) -> int | None:
+    raw = view.memory.get("kv_cache_tokens")
+    return int(raw) if isinstance(raw, int | float) and raw > 0 else None
 
 
 def _cap(c: TrialCapacity) -> str:
@@ -371,6 +403,7 @@ def study_json(
                 "slos": v.slo_verdicts(),
                 "message": v.message,
                 "capacity": cap if isinstance(cap, Mapping) else None,
+                "memory": v.memory or None,
                 "startup_s": v.startup_s,
                 "startup": v.startup_doc or None,
                 "replay_s": v.replay_s,

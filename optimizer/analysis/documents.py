@@ -38,14 +38,15 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| trial | capacity req/s | how measured | output tok/s | rate scale | bracket | steps "
-        "| broke first |",
-        "|---|---|---|---|---|---|---|---|",
+        "| broke first | KV cache tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in answer.trials:
         label = f"{c.number} (baseline)" if answer.baseline and c is answer.baseline else c.number
         lines.append(
             f"| {label} | {c.rps:.3g} | {c.answer} | {c.output_tps:.4g} | {c.scale:.3g} | "
-            f"{c.bracket} | {c.steps} | {c.broke_first or '-'} |"
+            f"{c.bracket} | {c.steps} | {c.broke_first or '-'} | "
+            f"{f'{c.kv_cache_tokens:,}' if c.kv_cache_tokens else '-'} |"
         )
     return lines
 

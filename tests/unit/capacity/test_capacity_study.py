@@ -24,15 +24,18 @@ from optimizer.capacity.trial import (
 from optimizer.config import load_job
 from optimizer.study import StudyDriver, prepare
 from optimizer.trial_view import TrialView
-from optimizer.types import TrialResult, TrialSpec, TrialStatus
+from optimizer.types import MemoryAccount, TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle, ScriptedRunner
 
 REPO = Path(__file__).resolve().parents[3]
 SLOS = ["p95_ttft_ms<=500", "p95_tpot_ms<=50"]
 
 
-def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
-    """A capacity trial on a FAKE server whose TTFT margin is scale / capacity - 1."""
+def fake_capacity_result(
+    spec: TrialSpec, capacity_scale: float, kv_cache_tokens: int | None = None
+) -> TrialResult:
+    """A capacity trial on a FAKE server whose TTFT margin is scale / capacity - 1 (and whose
+    startup log, when ``kv_cache_tokens`` is given, said its KV cache holds that many)."""
     assert spec.capacity is not None
 
     def measure(scale: float, attempt: int) -> StepOutcome:
@@ -71,6 +74,7 @@ def fake_capacity_result(spec: TrialSpec, capacity_scale: float) -> TrialResult:
         startup_s=1.0,
         replay_s=2.0,
         capacity=doc,
+        memory=MemoryAccount(kv_cache_tokens=kv_cache_tokens) if kv_cache_tokens else None,
     )
 
 
@@ -85,7 +89,8 @@ class FakeCapacityRunner(ScriptedRunner):
         self.specs.append(spec)
         seqs = int(spec.engine.args.get("max-num-seqs", 128))
         cap = 0.0 if self.zero_everywhere or seqs == 16 else {128: 0.8, 64: 1.3, 32: 2.1}[seqs]
-        return FakeHandle(spec, fake_capacity_result(spec, cap))
+        kv = {128: 40_000, 64: 50_000, 32: 90_000, 16: 10_000}[seqs]
+        return FakeHandle(spec, fake_capacity_result(spec, cap, kv))
 
 
 def _job(tmp_path: Path, **over: Any) -> dict[str, Any]:
@@ -171,6 +176,9 @@ def test_capacity_answer_in_a_users_terms(tmp_path: Path) -> None:
     # ceil(10 / capacity) servers of one GPU each.
     assert answer.gpus["baseline"] == math.ceil(10 / answer.baseline.rps)
     assert answer.gpus["best"] == math.ceil(10 / answer.best.rps)
+    # The memory account beside the capacity: the KV tokens each engine logged, and the ratio.
+    assert (answer.baseline.kv_cache_tokens, answer.best.kv_cache_tokens) == (40_000, 90_000)
+    assert answer.kv_line() == "KV cache: baseline 40,000 tokens, best 90,000 tokens (x2.25)"
     # 4.0 per GPU-hour over output tokens/s x 3600, per million tokens.
     expected = 4.0 / (answer.best.output_tps * 3600) * 1e6
     assert answer.cost_per_m_output_tokens["best"] == pytest.approx(expected)
@@ -179,6 +187,10 @@ def test_capacity_answer_in_a_users_terms(tmp_path: Path) -> None:
     metrics = answer.metrics()
     assert metrics["capacity_gain"] == pytest.approx(answer.gain)
     assert metrics["best_capacity_rps"] == pytest.approx(answer.best.rps)
+    assert (metrics["baseline_kv_cache_tokens"], metrics["best_kv_cache_tokens"]) == (
+        40_000,
+        90_000,
+    )
     # The baseline carried something, so no SLO-floor explanation is due.
     assert answer.unmet == ()
 
@@ -250,20 +262,26 @@ def test_show_json_report_and_export_header_carry_the_capacity(
     assert by_number[1]["slos"] == {SLOS[0]: True, SLOS[1]: True}
     assert by_number[2]["slos"][SLOS[0]] is False
     assert doc["front"] == [1]
+    assert doc["capacity"]["best"]["kv_cache_tokens"] == 90_000
+    assert by_number[2]["memory"]["kv_cache_tokens"] == 10_000
     # The console form says it in words.
     assert cli.main(["show", str(plan.out), "--peak-rps", "100"]) == 0
     out = capsys.readouterr().out
     assert "Capacity at SLO" in out and "for a peak of 100 req/s" in out and "servers" in out
+    assert "KV cache: baseline 40,000 tokens, best 90,000 tokens (x2.25)" in out
     # report.md and the export header.
     from optimizer.analysis.documents import capacity_section
 
     saved = json.loads((plan.out / "plan.json").read_text())
     section = "\n".join(capacity_section(study, saved))
     assert "## Capacity at SLO" in section and "| 1 |" in section
+    row = next(ln for ln in section.splitlines() if ln.startswith("| 1 |"))
+    assert row.endswith("| 90,000 |"), row
     answer = answer_for_plan(study, saved)
     assert answer is not None
     line = answer.export_line(1)
     assert "req/s" in line and "baseline" in line and "(x" in line
+    assert line.endswith("; KV cache 90,000 tokens"), line
 
 
 def test_export_picks_the_highest_capacity_by_default(tmp_path: Path) -> None:
