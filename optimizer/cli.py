@@ -626,6 +626,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     console.print(
         f"study [bold]{job.name}[/] -> {plan.out}  ({plan.vllm}; storage {plan.storage_url})"
     )
+    if plan.priors.trials:
+        console.print(
+            f"[dim]warm start: the sampler is given {len(plan.priors.trials)} told trials of "
+            "the earlier studies as prior observations[/]"
+        )
     for w in plan.warm_start:
         console.print(
             f"[dim]warm start: {escape(w.folder)} trial {w.trial} ({escape(w.measured)}) "

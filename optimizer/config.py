@@ -338,10 +338,13 @@ class WarmStartSection(_Strict):
         studies: Earlier study folders (relative to the job file): the same model, a
             similar trace.
         top: Best configurations taken from each.
+        priors: Also give a model-based sampler (TPE, GP) the earlier studies' told trials as
+            prior observations (same objectives only; :func:`optimizer.warm_start.prior_trials`).
     """
 
     studies: list[str] = Field(min_length=1)
     top: int = Field(default=3, ge=1, le=20)
+    priors: bool = True
 
 
 class MlflowSection(_Strict):

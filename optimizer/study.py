@@ -35,7 +35,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from optimizer.engine.defaults import (
 )
 from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
 from optimizer.errors import ConfigError
+from optimizer.sampling import KnowledgeSampler
 from optimizer.study_folder import portable_url
 from optimizer.trial_io import progress_line, read_progress
 from optimizer.trial_view import (
@@ -66,7 +67,7 @@ from optimizer.trial_view import (
     record_status,
 )
 from optimizer.types import EngineConfig, Trace, TrialResult, TrialSpec, TrialStatus
-from optimizer.warm_start import WarmStart, warm_start_configs
+from optimizer.warm_start import Priors, WarmStart, prior_trials, warm_start_configs
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
 from search_spaces.speculation import speculation_possible, with_acceptance
 
@@ -103,6 +104,7 @@ class StudyPlan:
         context: Facts parameter constraints are checked against.
         vllm: "dist version" of the vLLM the trials use.
         warm_start: Configurations enqueued from earlier studies (:mod:`optimizer.warm_start`).
+        priors: Earlier studies' told trials, given to a TPE or GP sampler as prior observations.
         notes: What else preparing decided, one line each (a warm-start configuration
             skipped, and why).
     """
@@ -120,6 +122,7 @@ class StudyPlan:
     context: ConstraintContext
     vllm: str = ""
     warm_start: tuple[WarmStart, ...] = ()
+    priors: Priors = field(default_factory=Priors)
     notes: tuple[str, ...] = ()
 
     def with_acceptance(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +279,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         job.objectives.slos,
     )
 
-    job, warm, warm_notes = _with_warm_start(job, base, space)
+    job, warm, warm_notes, priors = _with_warm_start(job, base, space, objectives)
     install = installed_vllm(job.engine.python) if check_flags else None
     n_gpus, gpu_mem, gpu_name = gpu_facts()
     is_cpu = install.is_cpu_build if install else n_gpus == 0
@@ -331,6 +334,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         context=ctx,
         vllm=f"{install.dist} {install.version}" if install else "",
         warm_start=tuple(warm),
+        priors=priors,
         notes=tuple(warm_notes),
     )
 
@@ -364,20 +368,38 @@ def _refuse_unstated_speculation(
 
 
 def _with_warm_start(
-    job: JobConfig, base: Path, space: SearchSpace
-) -> tuple[JobConfig, list[WarmStart], list[str]]:
-    """The job with its warm-start configurations after its own ``enqueue:``, and notes on
-    those skipped; every enqueued configuration checked against the space (raises, naming
-    the value, before anything starts)."""
+    job: JobConfig, base: Path, space: SearchSpace, objectives: ObjectiveSet
+) -> tuple[JobConfig, list[WarmStart], list[str], Priors]:
+    """The job with its warm-start configurations after its own ``enqueue:``, notes on those
+    skipped, and the sampler's prior trials (:func:`_priors`); every enqueued configuration
+    checked against the space (raises, naming the value, before anything starts)."""
     for args in job.enqueue:
         space.enqueue_params(args)
     if job.warm_start is None:
-        return job, [], []
+        return job, [], [], Priors()
     warm, notes = warm_start_configs(job.warm_start.studies, base, job.warm_start.top, space)
     own = {json.dumps(a, sort_keys=True, default=str) for a in job.enqueue}
     warm = [w for w in warm if json.dumps(w.args, sort_keys=True, default=str) not in own]
     job = job.model_copy(update={"enqueue": [*job.enqueue, *(w.args for w in warm)]})
-    return job, warm, notes
+    priors = _priors(job, base, space, objectives)
+    return job, warm, [*notes, *priors.notes], priors
+
+def _priors(job: JobConfig, base: Path, space: SearchSpace, objectives: ObjectiveSet) -> Priors:
+    """The warm start's prior observations for a sampler that learns from them (TPE, GP)."""
+    ws = job.warm_start
+    if ws is None or not ws.priors:
+        return Priors()
+    if job.sampler.name not in _LEARNING_SAMPLERS:
+        return Priors(
+            notes=(
+                f"warm start: no prior trials given: the {job.sampler.name} sampler does not "
+                "learn from trials",
+            )
+        )
+    pairs = [
+        (o.metric, optuna.study.StudyDirection[o.direction.upper()]) for o in objectives.objectives
+    ]
+    return prior_trials(ws.studies, base, space, pairs)
 
 
 def _portable_job(plan: StudyPlan) -> dict[str, Any]:
@@ -414,10 +436,20 @@ def create_storage(
     )
 
 
+_LEARNING_SAMPLERS = ("tpe", "gp")
+
+
 def _sampler(
-    job: JobConfig, space: SearchSpace, resumed_at: int = 0
+    job: JobConfig,
+    space: SearchSpace,
+    resumed_at: int = 0,
+    priors: tuple[FrozenTrial, ...] = (),
 ) -> optuna.samplers.BaseSampler:
-    """The job's sampler; ``resumed_at``: trials the study already holds.
+    """The job's sampler; ``resumed_at``: trials the study already holds; ``priors``: a warm
+    start's prior observations (TPE and GP only).
+
+    TPE and GP are wrapped in :class:`~optimizer.sampling.KnowledgeSampler`: they learn from the
+    trials that chose a configuration (not the param-less baseline) and from ``priors``.
 
     The grid sampler skips the grid points the study's trials already measured, so a resumed
     grid study goes on where it stopped.
@@ -432,16 +464,19 @@ def _sampler(
     if s.name == "grid":
         return _GridSampler(space.grid(), seed=s.seed)
     if s.name == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials)
+        return KnowledgeSampler(
+            optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials), priors
+        )
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
     # parallel trials from proposing the same configuration.
-    return optuna.samplers.TPESampler(
+    tpe = optuna.samplers.TPESampler(
         seed=seed,
         multivariate=True,
         group=True,
         constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
+    return KnowledgeSampler(tpe, priors)
 
 
 class _GridSampler(optuna.samplers.GridSampler):
@@ -556,7 +591,7 @@ class StudyDriver:
         self.study = optuna.create_study(
             study_name=job.name,
             storage=self.storage,
-            sampler=_sampler(job, plan.space),
+            sampler=_sampler(job, plan.space, priors=plan.priors.trials),
             directions=[o.direction for o in plan.objectives.objectives],
             load_if_exists=True,
         )
@@ -564,7 +599,9 @@ class StudyDriver:
             self.study.set_metric_names([o.metric for o in plan.objectives.objectives])
         held = len(self.study.get_trials(deepcopy=False))
         if held:
-            self.study.sampler = _sampler(job, plan.space, resumed_at=held)
+            self.study.sampler = _sampler(
+                job, plan.space, resumed_at=held, priors=plan.priors.trials
+            )
         self.started_at = now()
         self.deadline: datetime | None = None
         if job.budget:
@@ -995,6 +1032,7 @@ class StudyDriver:
             ),
             "job": _portable_job(self.plan),
             "warm_start": [w.to_dict() for w in self.plan.warm_start],
+            "warm_start_priors": self.plan.priors.to_dict(),
             "started_at": self.started_at.isoformat(timespec="seconds"),
         }
         (self.plan.out / "plan.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

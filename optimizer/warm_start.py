@@ -7,30 +7,37 @@ first objective) are enqueued right after the baseline, restricted to the flags 
 study's search space. A configuration outside this space (a value it cannot take) is skipped
 with a note, as is one already enqueued.
 
-What the sampler learns from them is what it learns from any trial: they are measured again
-here, on this study's trace and machine, and told like every other trial. The earlier trials
-themselves are not given to the sampler as observations (no meta-learning sampler is
-shipped: OptunaHub's needs network access to load); plan.json and report.md say where each
-warm-start configuration came from.
+They are measured again here, on this study's trace and machine, and told like every other
+trial. With ``priors`` (the default) a model-based sampler (TPE, GP) also gets the earlier
+studies' told trials as prior observations (:func:`prior_trials`, given through
+:class:`optimizer.sampling.KnowledgeSampler`): each rebuilt on this study's search space with the
+values it was told there (a failure's placeholder too: it teaches the sampler what crashed), so
+the sampler's startup and its split into good and bad configurations begin from what the
+earlier studies learnt. Only studies with the same objectives (names and directions) qualify,
+and only trials whose configuration this space can express. The values come from another
+trace or machine: comparable only as the job's "same model, a similar trace" promises, which is
+why the best of them are measured again. No meta-learning sampler is shipped (OptunaHub's
+needs network access to load). plan.json and report.md say where each warm-start
+configuration came from and how many prior trials the sampler was given.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.study_folder import storage_url_of
 from optimizer.trial_view import TrialView
 from search_spaces import SearchSpace
 
-__all__ = ["WarmStart", "warm_start_configs"]
+__all__ = ["Priors", "WarmStart", "prior_trials", "warm_start_configs"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,99 @@ def _measured(study: optuna.Study, trial: FrozenTrial) -> str:
     names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
     values = trial.values or []
     return ", ".join(f"{n} {v:.4g}" for n, v in zip(names, values, strict=False))
+
+
+@dataclass(frozen=True)
+class Priors:
+    """Earlier studies' told trials, rebuilt on this study's search space.
+
+    Attributes:
+        trials: Complete trials numbered -1, -2, ... (params and distributions of this space,
+            the values told there), in the order the studies are named.
+        per_study: ``{folder: trials taken}``, as the job names the folders.
+        notes: One line per study or trial left out, and why.
+    """
+
+    trials: tuple[FrozenTrial, ...] = ()
+    per_study: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trials": len(self.trials), "per_study": self.per_study, "notes": list(self.notes)}
+
+
+def prior_trials(
+    folders: list[str],
+    base: Path,
+    space: SearchSpace,
+    objectives: list[tuple[str, optuna.study.StudyDirection]],
+) -> Priors:
+    """The told trials of the earlier studies in ``folders`` as prior observations.
+
+    Args:
+        folders: Study folders, relative to ``base``.
+        space: This study's search space (the trials are rebuilt on it).
+        objectives: This study's (metric, direction) pairs, in order.
+
+    Raises:
+        ConfigError: A folder is not a study folder, or its study cannot be opened.
+    """
+    trials: list[FrozenTrial] = []
+    per_study: dict[str, int] = {}
+    notes: list[str] = []
+    for i, name in enumerate(folders):
+        study = _open((base / name).resolve(), f"warm_start.studies[{i}]")
+        theirs = list(zip(study.metric_names or [], study.directions, strict=False))
+        if theirs != objectives:
+            notes.append(
+                f"warm start: {name}: no prior trials for the sampler: its objectives "
+                f"{_objectives_text(theirs)} are not this study's {_objectives_text(objectives)}"
+            )
+            continue
+        taken = 0
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            view = TrialView(t)
+            if view.is_baseline or not t.values:
+                continue
+            rebuilt = _on_space(space, view.engine_args)
+            if rebuilt is None:
+                continue
+            params, distributions = rebuilt
+            trials.append(
+                optuna.trial.create_trial(
+                    params=params,
+                    distributions=distributions,
+                    values=list(t.values),
+                    user_attrs={"prior_from": f"{name} trial {t.number}"},
+                )
+            )
+            trials[-1].number = -len(trials)
+            taken += 1
+        per_study[name] = taken
+    return Priors(tuple(trials), per_study, tuple(notes))
+
+
+def _on_space(
+    space: SearchSpace, args: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A configuration's params and distributions on ``space`` (None: it cannot say it: a value
+    outside the space, or an active param it does not set)."""
+    try:
+        params = space.enqueue_params(args)
+    except SearchSpaceError:
+        return None
+    trial = optuna.trial.FixedTrial(params)
+    try:
+        space.suggest(trial)
+    except ValueError:
+        return None  # an active param the earlier trial never had a value for
+    return dict(trial.params), dict(trial.distributions)
+
+
+def _objectives_text(pairs: list[tuple[str, optuna.study.StudyDirection]]) -> str:
+    return (
+        ", ".join(
+            f"{'max' if d == optuna.study.StudyDirection.MAXIMIZE else 'min'}:{n}" for n, d in pairs
+        )
+        or "(none)"
+    )

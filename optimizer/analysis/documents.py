@@ -54,16 +54,12 @@ def capacity_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
 def warm_start_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
     """Where the warm-start configurations came from and what they measured here."""
     sources = plan.get("warm_start") or []
-    if not sources:
+    priors = plan.get("warm_start_priors") or {}
+    if not sources and not priors.get("trials") and not priors.get("notes"):
         return []
-    lines = [
-        "",
-        "## Warm start",
-        "",
-        "Enqueued after the baseline from earlier studies (measured again here; the earlier "
-        "trials were not given to the sampler):",
-        "",
-    ]
+    lines = ["", "## Warm start", "", _priors_line(plan, priors), ""]
+    if sources:
+        lines += ["Enqueued after the baseline from earlier studies (measured again here):", ""]
     here = {
         t.user_attrs.get("warm_start_from"): t
         for t in study.get_trials(deepcopy=False)
@@ -75,6 +71,23 @@ def warm_start_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
         now = "not run yet" if t is None else f"trial {t.number} here, {_here_values(study, t)}"
         lines.append(f"- {_cell(origin)} ({_cell(w['measured'])} there): {_cell(now)}")
     return lines
+
+
+def _priors_line(plan: dict[str, Any], priors: dict[str, Any]) -> str:
+    """What the sampler was given from the earlier studies, in words."""
+    sampler = ((plan.get("job") or {}).get("sampler") or {}).get("name", "tpe")
+    given = int(priors.get("trials") or 0)
+    per = priors.get("per_study") or {}
+    text = (
+        f"The {sampler} sampler was given {given} told trials of the earlier studies as prior "
+        "observations (values measured there, not here): "
+        + ", ".join(f"{_cell(str(k))} {v}" for k, v in per.items())
+        + "."
+        if given
+        else "The sampler was given no prior trials."
+    )
+    notes = priors.get("notes") or []
+    return text + "".join(f" {_cell(str(n))}." for n in notes)
 
 
 def _here_values(study: optuna.Study, trial: Any) -> str:

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 from optimizer.config import load_job
 from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.report import front_rows, study_status
+from optimizer.sampling import KnowledgeSampler
 from optimizer.study import StudyDriver, is_baseline, prepare
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle, ScriptedRunner
@@ -503,7 +504,12 @@ def test_warm_start_enqueues_the_best_of_an_earlier_study_after_the_baseline(
     warm = {"studies": [str(tmp_path / "a" / "out")], "top": 2}
     runner = FakeRunner()
     study = _driver(
-        tmp_path / "b", runner, out=str(tmp_path / "b" / "out"), warm_start=warm, trials=4
+        tmp_path / "b",
+        runner,
+        out=str(tmp_path / "b" / "out"),
+        warm_start=warm,
+        trials=4,
+        sampler={"name": "tpe", "seed": 1},
     ).run()
     trials = study.get_trials()
     assert is_baseline(trials[0])
@@ -521,6 +527,59 @@ def test_warm_start_enqueues_the_best_of_an_earlier_study_after_the_baseline(
     assert [w["trial"] for w in plan["warm_start"]] == [int(s.rsplit(" ", 1)[1]) for s in sources]
     section = "\n".join(warm_start_section(study, plan))
     assert "## Warm start" in section and "trial 1 here" in section
+    # The sampler was also given the earlier study's told trials (not its baseline) as prior
+    # observations, rebuilt on this space; this study holds none of them.
+    told = [t for t in earlier.get_trials() if t.number and t.state == TrialState.COMPLETE]
+    assert plan["warm_start_priors"]["trials"] == len(told) == 5
+    sampler = study.sampler
+    assert isinstance(sampler, KnowledgeSampler)
+    assert [p.user_attrs["prior_from"].rsplit(" ", 1)[1] for p in sampler.priors] == [
+        str(t.number) for t in told
+    ]
+    for prior, t in zip(sampler.priors, told, strict=True):
+        assert prior.values == t.values and prior.params == {
+            k: v for k, v in t.params.items() if k in prior.params
+        }
+        assert set(prior.distributions) == set(prior.params) and prior.number < 0
+    assert all(t.number >= 0 for t in study.get_trials())
+    assert "The tpe sampler was given 5 told trials" in section
+
+
+def test_warm_start_priors_only_from_studies_with_the_same_objectives(tmp_path: Path) -> None:
+    loose = {"preset": "default", "slos": ["p95_ttft_ms<=1000"]}
+    _driver(tmp_path / "a", FakeRunner(), out=str(tmp_path / "a" / "out"), objectives=loose).run()
+    warm = {"studies": [str(tmp_path / "a" / "out")], "top": 1}
+    other = {"preset": "latency", "slos": ["p95_ttft_ms<=1000"]}
+    driver = _driver(
+        tmp_path / "b",
+        FakeRunner(),
+        out=str(tmp_path / "b" / "out"),
+        warm_start=warm,
+        objectives=other,
+        sampler={"name": "tpe", "seed": 1},
+    )
+    assert driver.plan.priors.trials == ()
+    assert any("no prior trials for the sampler: its objectives" in n for n in driver.plan.notes)
+    # A sampler that learns nothing from trials gets none, and the plan says so.
+    rnd = _driver(
+        tmp_path / "c",
+        FakeRunner(),
+        out=str(tmp_path / "c" / "out"),
+        warm_start=warm,
+        objectives=loose,
+        sampler={"name": "random", "seed": 0},
+    )
+    assert rnd.plan.priors.trials == ()
+    assert any("the random sampler does not learn" in n for n in rnd.plan.notes)
+    off = _driver(
+        tmp_path / "d",
+        FakeRunner(),
+        out=str(tmp_path / "d" / "out"),
+        warm_start={**warm, "priors": False},
+        objectives=loose,
+        sampler={"name": "tpe", "seed": 1},
+    )
+    assert off.plan.priors.trials == () and len(off.plan.warm_start) == 1
 
 
 def test_warm_start_from_a_folder_that_is_no_study_names_the_key(tmp_path: Path) -> None:

@@ -1,0 +1,119 @@
+"""KnowledgeSampler: TPE and GP learn from the trials that chose a configuration (not the
+param-less baseline) and from a warm start's prior trials (optimizer.sampling)."""
+
+from __future__ import annotations
+
+import warnings
+
+import optuna
+import pytest
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial
+
+from optimizer.sampling import KnowledgeSampler
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+SEQS = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def _measure(seqs: int) -> float:
+    """A stand-in objective (no server): best at max-num-seqs 64."""
+    return -abs(SEQS.index(seqs) - SEQS.index(64))
+
+
+def _with_baseline(sampler: optuna.samplers.BaseSampler, trials: int) -> optuna.Study:
+    """A study as the driver runs one: the baseline first (enqueued, no params), then trials
+    that suggest x and y."""
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    study.enqueue_trial({})
+    base = study.ask()
+    study.tell(base, 0.0)
+    for _ in range(trials):
+        t = study.ask()
+        x = t.suggest_float("x", 0.0, 1.0)
+        t.suggest_categorical("y", [1, 2, 3])
+        study.tell(t, -((x - 0.3) ** 2))
+    return study
+
+
+def test_gp_learns_after_a_param_less_baseline() -> None:
+    # Optuna's GP intersects the search spaces of all finished trials: the baseline's empty one
+    # makes every later proposal a uniform random draw (this is what the wrapper is for).
+    plain = _with_baseline(optuna.samplers.GPSampler(seed=1, n_startup_trials=3), 6)
+    nxt = plain.ask()
+    assert plain.sampler.infer_relative_search_space(plain, plain.trials[-1]) == {}
+    plain.tell(nxt, state=optuna.trial.TrialState.FAIL)
+
+    wrapped = _with_baseline(
+        KnowledgeSampler(optuna.samplers.GPSampler(seed=1, n_startup_trials=3)), 6
+    )
+    wrapped.ask()
+    space = wrapped.sampler.infer_relative_search_space(wrapped, wrapped.trials[-1])
+    assert set(space) == {"x", "y"}
+
+
+def _priors(best: int, count: int) -> list[FrozenTrial]:
+    """Told trials of an earlier study: every choice measured, ``best`` the best."""
+    dist: dict[str, BaseDistribution] = {"max-num-seqs": CategoricalDistribution(SEQS)}
+    out = []
+    for i in range(count):
+        seqs = SEQS[i % len(SEQS)]
+        t = optuna.trial.create_trial(
+            params={"max-num-seqs": seqs},
+            distributions=dist,
+            value=-abs(SEQS.index(seqs) - SEQS.index(best)),
+        )
+        t.number = -(i + 1)
+        out.append(t)
+    return out
+
+
+def _first_proposals(sampler: optuna.samplers.BaseSampler, n: int) -> list[int]:
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    study.enqueue_trial({})
+    study.tell(study.ask(), 0.0)  # the baseline
+    seen = []
+    for _ in range(n):
+        t = study.ask()
+        seqs = t.suggest_categorical("max-num-seqs", SEQS)
+        seen.append(seqs)
+        study.tell(t, _measure(seqs))
+    return seen
+
+
+def _tpe(seed: int) -> optuna.samplers.TPESampler:
+    return optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=4
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prior_trials_steer_tpe_from_its_first_proposal(seed: int) -> None:
+    # Without priors the first 4 proposals are TPE's random startup; with 16 prior trials that
+    # found 64 best, the startup is over and the proposals go where the priors point.
+    with_priors = _first_proposals(KnowledgeSampler(_tpe(seed), _priors(64, 16)), 4)
+    assert with_priors.count(64) >= 3, with_priors
+    # Priors that point elsewhere (8) pull the first proposal there: it is the priors, not the
+    # objective, that decided it (without priors these seeds first propose 1024, 16, 1024).
+    misled = _first_proposals(KnowledgeSampler(_tpe(seed), _priors(8, 16)), 1)
+    assert misled == [8], misled
+    assert _first_proposals(KnowledgeSampler(_tpe(seed)), 1) != [8]
+
+
+def test_the_study_holds_no_prior_trial() -> None:
+    sampler = KnowledgeSampler(_tpe(0), _priors(64, 8))
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    for _ in range(3):
+        t = study.ask()
+        study.tell(t, _measure(t.suggest_categorical("max-num-seqs", SEQS)))
+    assert [t.number for t in study.get_trials()] == [0, 1, 2]
+    assert len(sampler._view(study).get_trials()) == 8 + 3
+
+
+def test_prior_trials_must_be_numbered_below_zero() -> None:
+    bad = _priors(64, 2)
+    bad[1].number = 0
+    with pytest.raises(ValueError, match="below zero"):
+        KnowledgeSampler(_tpe(0), bad)
