@@ -74,7 +74,7 @@ def sweep_table(doc: dict[str, Any]) -> Table:
     """One row per run: the acceptance length, the figure, P95 TPOT, the status."""
     figure = doc["figure"]
     table = Table(title=f"speculative decoding of trial {doc['trial']}: {figure} by acceptance")
-    for column in ("acceptance length", figure, "P95 TPOT ms", "status"):
+    for column in ("acceptance length", figure, _tpot_column(figure), "status"):
         table.add_column(column, justify="right" if column != "status" else "left")
     for row in doc["rows"]:
         length = row["acceptance_length"]
@@ -91,3 +91,7 @@ def _num(value: Any) -> str:
     return (
         "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
     )
+
+
+def _tpot_column(figure: str) -> str:
+    return "P95 TPOT ms (nominal load)" if figure == "capacity_rps" else "P95 TPOT ms"

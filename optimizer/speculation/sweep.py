@@ -7,6 +7,8 @@ search, and answers in a user's terms:
 
 - capacity studies: capacity at SLO (req/s) per acceptance length beside speculation off, and
   the break-even length where the capacity with speculation reaches the capacity without it;
+  beside each, P95 TPOT at the nominal load (the capacity search's first step, at
+  ``capacity.start_scale``: one load for every row);
 - fixed-load studies: P95 TPOT at the study's load, the break-even where it drops to the P95
   TPOT without speculation.
 
@@ -191,7 +193,11 @@ def _write(
             {
                 "acceptance_length": None if label == "off" else float(label),
                 figure: _figure(results[label], capacity),
-                "p95_tpot_ms": _number(results[label].summary.get("p95_tpot_ms")),
+                # Capacity: at the search's first step (start_scale, the trace's own rate by
+                # default; the sweep never races), the same load for every row; else the study's.
+                "p95_tpot_ms": _number(
+                    results[label].summary.get("nominal_p95_tpot_ms" if capacity else "p95_tpot_ms")
+                ),
                 "status": results[label].status.value,
                 "message": results[label].message,
                 "engine_args": args,

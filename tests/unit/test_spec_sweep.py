@@ -108,3 +108,59 @@ def test_the_sweep_runs_the_chosen_trial_off_and_at_each_length_and_writes_the_a
     assert [r["acceptance_length"] for r in doc["rows"]] == [None, 1.5, 2.0, 3.0]
     assert json.loads((folder / SWEEP_FILE).read_text())["answer"] == doc["answer"]
     assert len(lines) == 4
+
+
+class FakeCapacitySpeculationRunner(ScriptedRunner):
+    """FAKE server whose capacity (rate scale) is 1.0 without speculation and 0.5 x L at
+    acceptance length L, through the real capacity search and summary."""
+
+    def result(self, spec: TrialSpec) -> TrialResult:
+        from tests.unit.capacity.test_capacity_study import fake_capacity_result
+
+        sc = spec.engine.args.get("speculative-config")
+        scale = 1.0 if sc is None else 0.5 * sc.get("synthetic_acceptance_length", 2.0)
+        result = fake_capacity_result(spec, scale)
+        # The step at capacity reports another TPOT than the nominal load (the first step).
+        result.summary["p95_tpot_ms"] = 99.0
+        return result
+
+
+def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Path) -> None:
+    from optimizer.config import load_job
+    from optimizer.study import StudyDriver, prepare
+    from tests.unit.capacity.test_capacity_study import _job
+
+    job = _job(
+        tmp_path,
+        engine={"args": {"max-model-len": 2048}, "speculation": {"acceptance_length": 2.5}},
+        search_space=_SPEC_SPACE,
+        sampler={"name": "grid", "seed": 0},
+        enqueue=[],
+        trials=5,
+    )
+    loaded, base = load_job(job, base=tmp_path)
+    plan = prepare(loaded, base, check_flags=False)
+    study = StudyDriver(
+        plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
+    ).run()
+    chosen = next(
+        t
+        for t in study.get_trials()
+        if json.loads(t.user_attrs["engine_args"])
+        .get("speculative-config", {})
+        .get("num_speculative_tokens")
+        == 3
+    )
+    folder = Path(job["out"])
+    saved = json.loads((folder / "plan.json").read_text())
+    runner = FakeCapacitySpeculationRunner()
+    doc = run_sweep(folder, saved, study, [1.5, 2.5, 3.5], lambda plan: runner, trial=chosen.number)
+    assert doc["figure"] == "capacity_rps"
+    rows = {r["acceptance_length"]: r for r in doc["rows"]}
+    per_scale = rows[None]["capacity_rps"]  # capacity scale 1.0 without speculation
+    assert rows[1.5]["capacity_rps"] == pytest.approx(0.75 * per_scale, rel=0.05)
+    assert rows[3.5]["capacity_rps"] == pytest.approx(1.75 * per_scale, rel=0.05)
+    # Capacity x0.5L reaches x1.0 at L = 2: read off the points measured at 1.5 and 2.5.
+    assert doc["break_even_length"] == pytest.approx(2.0, abs=0.1)
+    # P95 TPOT of every row from the search's first step (one load), not its capacity step.
+    assert [r["p95_tpot_ms"] for r in doc["rows"]] == [pytest.approx(20.0)] * 4
