@@ -7,7 +7,7 @@ import warnings
 
 import optuna
 import pytest
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from optuna.trial import FrozenTrial
 
 from optimizer.sampling import KnowledgeSampler
@@ -49,9 +49,31 @@ def test_gp_learns_after_a_param_less_baseline() -> None:
     wrapped = _with_baseline(
         KnowledgeSampler(optuna.samplers.GPSampler(seed=1, n_startup_trials=3)), 6
     )
-    wrapped.ask()
+    t = wrapped.ask()
     space = wrapped.sampler.infer_relative_search_space(wrapped, wrapped.trials[-1])
     assert set(space) == {"x", "y"}
+    # The proposal came from the GP model (Optuna records its relative params), with priors too.
+    t.suggest_float("x", 0.0, 1.0)
+    attrs = wrapped.trials[-1].system_attrs
+    assert any(k.startswith("gp:relative_params") for k in attrs), attrs
+    prior = optuna.trial.create_trial(
+        params={"x": 0.3, "y": 2},
+        distributions={
+            "x": FloatDistribution(0.0, 1.0),
+            "y": CategoricalDistribution([1, 2, 3]),
+        },
+        value=0.0,
+    )
+    prior.number = -1
+    # Two own trials and one prior reach GP's 3 startup trials; two own trials alone do not.
+    for priors, modelled in (([prior], True), ([], False)):
+        study = _with_baseline(
+            KnowledgeSampler(optuna.samplers.GPSampler(seed=1, n_startup_trials=3), priors), 2
+        )
+        t = study.ask()
+        t.suggest_float("x", 0.0, 1.0)
+        attrs = study.trials[-1].system_attrs
+        assert any(k.startswith("gp:relative_params") for k in attrs) is modelled
 
 
 def _priors(best: int, count: int) -> list[FrozenTrial]:
