@@ -20,7 +20,11 @@ table's repeats (the truth), as a share of the table's best mean.
 Strategies: ``tpe-racing`` (TPE with racing at the incumbent), ``tpe`` (without racing),
 ``gp``, ``random``, ``grid`` (every point in a random order), ``one-at-a-time`` (the tuning
 guide: memory, then max-num-seqs, then the batched-token budget, then prefix caching, each
-value tried with the others fixed at the best so far; max-model-len is not in the grid).
+value tried with the others fixed at the best so far; max-model-len is not in the grid), and
+with ``--warm-from FOLDER`` ``tpe-warm``: ``tpe-racing`` warm-started as a job's ``warm_start``
+does it (:mod:`optimizer.warm_start`): the earlier study's 3 best configurations measured first
+after the baseline, and its told trials given to TPE as prior observations. The earlier
+study's own GPU time is not charged (it was spent before).
 
 Output: a PNG of best-so-far vs GPU-hours (mean over seeds with a 95 % band) and a table:
 GPU-hours to reach 90 / 95 / 99 % of the table's best (median over seeds; seeds that never
@@ -54,6 +58,7 @@ from optimizer.capacity.search import StepOutcome, search_capacity
 from optimizer.types import CapacitySettings
 
 STRATEGIES = ("tpe-racing", "tpe", "gp", "random", "grid", "one-at-a-time")
+WARM = "tpe-warm"
 # The tuning guide's order; each name is a grid param when the table's grid has it.
 GUIDE_ORDER = (
     "max-model-len",
@@ -262,27 +267,79 @@ class OfflineStudy:
         return told, result.raced
 
 
-def _sampler(name: str, table: Table, seed: int) -> optuna.samplers.BaseSampler:
-    if name in ("tpe-racing", "tpe"):
+@dataclass(frozen=True)
+class Warm:
+    """An earlier study to warm-start from: its best configurations (table keys, best first)
+    and its told trials on the table's grid (prior observations, numbered below zero)."""
+
+    top: tuple[str, ...]
+    priors: tuple[Any, ...]
+
+
+def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
+    """What ``warm_start: {studies: [folder], top: 3}`` in ``job_file`` (the grid's job) takes
+    from an earlier study folder, through the product's own functions, on the table's grid."""
+    from optuna.distributions import CategoricalDistribution
+
+    from optimizer.config import load_job
+    from optimizer.study import _job_space
+    from optimizer.warm_start import prior_trials, warm_start_configs
+
+    job, _base = load_job(job_file)
+    space = _job_space(job)
+    configs, _notes = warm_start_configs([folder.name], folder.parent, top, space)
+    pairs = [("capacity_rps", optuna.study.StudyDirection.MAXIMIZE)]
+    priors = prior_trials([folder.name], folder.parent, space, pairs).trials
+    dists = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
+    on_grid = []
+    for p in priors:  # the same points under the table's distributions (its choice order)
+        t = optuna.trial.create_trial(
+            params={k: p.params[k] for k in table.grid}, distributions=dists, values=p.values
+        )
+        t.number = p.number
+        on_grid.append(t)
+    return Warm(tuple(table.key(c.args) for c in configs), tuple(on_grid))
+
+
+def _sampler(
+    name: str, table: Table, seed: int, warm: Warm | None = None
+) -> optuna.samplers.BaseSampler:
+    # TPE and GP as a study runs them: wrapped in the product's KnowledgeSampler (a warm
+    # start's priors; never a held configuration while a free one is left).
+    from optimizer.sampling import KnowledgeSampler
+
+    if name in ("tpe-racing", "tpe", WARM):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, group=True, n_startup_trials=4
+            tpe = optuna.samplers.TPESampler(
+                seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=4
             )
+        priors = warm.priors if name == WARM and warm else ()
+        return KnowledgeSampler(tpe, priors, seed=seed)
     if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
+        return KnowledgeSampler(optuna.samplers.GPSampler(seed=seed, n_startup_trials=4), seed=seed)
     if name == "grid":
         return optuna.samplers.GridSampler(table.grid, seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
 
 
 def run_sampler(
-    name: str, table: Table, settings: CapacitySettings, seed: int, budget_s: float
+    name: str,
+    table: Table,
+    settings: CapacitySettings,
+    seed: int,
+    budget_s: float,
+    warm: Warm | None = None,
 ) -> Run:
     """One offline study of an Optuna sampler until the budget or the grid is spent."""
-    study_ = OfflineStudy(table, settings, racing=name == "tpe-racing", rng=random.Random(seed))
+    if name == WARM and warm is None:
+        raise SystemExit(f"{WARM} needs --warm-from FOLDER (an earlier study of this grid)")
+    racing = name in ("tpe-racing", WARM)
+    study_ = OfflineStudy(table, settings, racing=racing, rng=random.Random(seed))
     study_.measure(table.baseline)
-    study = optuna.create_study(direction="maximize", sampler=_sampler(name, table, seed))
+    study = optuna.create_study(direction="maximize", sampler=_sampler(name, table, seed, warm))
+    for key in warm.top if name == WARM and warm else ():
+        study.enqueue_trial(json.loads(key))
     repeats = 0
     while study_.seconds < budget_s and len(study_.measured) <= len(table.configs) and repeats < 50:
         trial = study.ask()
@@ -341,11 +398,16 @@ def _nearest_default(name: str, values: list[Any]) -> Any:
 
 
 def run_strategy(
-    name: str, table: Table, settings: CapacitySettings, seed: int, budget_s: float
+    name: str,
+    table: Table,
+    settings: CapacitySettings,
+    seed: int,
+    budget_s: float,
+    warm: Warm | None = None,
 ) -> Run:
     if name == "one-at-a-time":
         return run_one_at_a_time(table, settings, seed, budget_s)
-    return run_sampler(name, table, settings, seed, budget_s)
+    return run_sampler(name, table, settings, seed, budget_s, warm)
 
 
 def best_at(run: Run, seconds: float, start: float) -> float:
@@ -437,11 +499,14 @@ def run_all(
     seeds: int,
     budget_s: float,
     progress: Callable[[str], None] = lambda _line: None,
+    warm: Warm | None = None,
 ) -> dict[str, list[Run]]:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     runs: dict[str, list[Run]] = {}
     for name in strategies:
-        runs[name] = [run_strategy(name, table, settings, seed, budget_s) for seed in range(seeds)]
+        runs[name] = [
+            run_strategy(name, table, settings, seed, budget_s, warm) for seed in range(seeds)
+        ]
         progress(f"{name}: {seeds} seeds")
     return runs
 
@@ -458,11 +523,23 @@ def main(argv: list[str] | None = None) -> int:
         "--partial", action="store_true", help="allow unmeasured grid points (no result)"
     )
     ap.add_argument("--job", type=Path, default=Path("benchmarks/data/cpu-capacity-grid.yaml"))
+    ap.add_argument(
+        "--warm-from",
+        type=Path,
+        default=None,
+        help=f"an earlier study folder of this grid, for the {WARM} strategy",
+    )
     ns = ap.parse_args(argv)
     table = load_table(json.loads(ns.table.read_text()), partial=ns.partial)
     settings = _settings(ns.job)
     budget = ns.budget * table.full_grid_s()
-    runs = run_all(table, settings, ns.strategies.split(","), ns.seeds, budget, print)
+    warm = load_warm(ns.warm_from, table, ns.job) if ns.warm_from else None
+    if warm is not None:
+        print(
+            f"warm start from {ns.warm_from}: {len(warm.priors)} prior trials, "
+            f"{len(warm.top)} configurations enqueued"
+        )
+    runs = run_all(table, settings, ns.strategies.split(","), ns.seeds, budget, print, warm)
     rows = summarize_runs(table, runs, table.full_grid_s())
     print(
         f"table: {len(table.configs)} configurations; best {table.best:.3g} req/s; "

@@ -384,6 +384,7 @@ def _with_warm_start(
     priors = _priors(job, base, space, objectives)
     return job, warm, [*notes, *priors.notes], priors
 
+
 def _priors(job: JobConfig, base: Path, space: SearchSpace, objectives: ObjectiveSet) -> Priors:
     """The warm start's prior observations for a sampler that learns from them (TPE, GP)."""
     ws = job.warm_start
@@ -449,7 +450,8 @@ def _sampler(
     start's prior observations (TPE and GP only).
 
     TPE and GP are wrapped in :class:`~optimizer.sampling.KnowledgeSampler`: they learn from the
-    trials that chose a configuration (not the param-less baseline) and from ``priors``.
+    trials that chose a configuration (not the param-less baseline) and from ``priors``, and
+    propose no configuration the study holds while one is free.
 
     The grid sampler skips the grid points the study's trials already measured, so a resumed
     grid study goes on where it stopped.
@@ -465,7 +467,9 @@ def _sampler(
         return _GridSampler(space.grid(), seed=s.seed)
     if s.name == "gp":
         return KnowledgeSampler(
-            optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials), priors
+            optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials),
+            priors,
+            seed=seed,
         )
     # multivariate + group: conditional parameters form separate groups; constant liar keeps
     # parallel trials from proposing the same configuration.
@@ -476,7 +480,7 @@ def _sampler(
         constant_liar=True,
         n_startup_trials=s.n_startup_trials,
     )
-    return KnowledgeSampler(tpe, priors)
+    return KnowledgeSampler(tpe, priors, seed=seed)
 
 
 class _GridSampler(optuna.samplers.GridSampler):

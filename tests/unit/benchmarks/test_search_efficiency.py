@@ -174,3 +174,45 @@ def test_the_command_prints_its_table_and_draws_the_curves(tmp_path, capsys) -> 
     assert "found, % of the table's best, at 10 / 25 / 50 / 100 %" in out
     assert png.stat().st_size > 10_000
     assert {r["strategy"] for r in json.loads(rows.read_text())} == set(STRATEGIES)
+
+
+def test_a_warm_start_measures_the_earlier_best_first_and_gives_tpe_the_priors() -> None:
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    from benchmarks.search_efficiency import Warm, run_sampler
+
+    table = load_table(synthetic_table())
+    best = max((k for k in table.truth if k != table.baseline), key=table.truth.__getitem__)
+    dists = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
+    priors = []
+    for i, key in enumerate(k for k in table.truth if k != table.baseline):
+        t = optuna.trial.create_trial(
+            params=json.loads(key), distributions=dists, values=[table.truth[key]]
+        )
+        t.number = -(i + 1)
+        priors.append(t)
+    warm = Warm(top=(best,), priors=tuple(priors))
+    run = run_sampler("tpe-warm", table, SETTINGS, seed=0, budget_s=math.inf, warm=warm)
+    # The baseline, then the earlier study's best: found at the second trial.
+    assert run.curve[1][1] == table.best
+    with pytest.raises(SystemExit, match="--warm-from"):
+        run_sampler("tpe-warm", table, SETTINGS, seed=0, budget_s=1.0)
+
+
+def test_the_warm_start_of_the_measured_grid_comes_from_the_product() -> None:
+    from benchmarks.search_efficiency import load_warm
+
+    repo = Path(__file__).resolve().parents[3]
+    table = load_table(json.loads((repo / "benchmarks/data/capacity_table_cpu.json").read_text()))
+    warm = load_warm(
+        repo / "benchmarks/data/capacity-grid/r1",
+        table,
+        repo / "benchmarks/data/cpu-capacity-grid.yaml",
+    )
+    # r1 measured 27 grid points (and 9 duplicates, 3 lost drivers: not told trials); its 3
+    # best first.
+    assert len(warm.priors) >= 20 and all(p.number < 0 for p in warm.priors)
+    assert len(warm.top) == 3 and all(k in table.configs for k in warm.top)
+    for p in warm.priors:
+        assert table.key(p.params) in table.configs
