@@ -655,7 +655,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             console.print(_finished_trial_line(ev.number, r, ev.trial))
             if r.message and r.status.value != "complete":
                 console.print(f"  [dim]{r.message[:300]}[/]")
-        elif ev.kind in ("rejected", "retry", "stale", "enqueued", "enqueue_refused"):
+        elif ev.kind in ("rejected", "retry", "stale", "enqueued", "enqueue_refused", "exhausted"):
             console.print(_event_line(ev))
         if driver is not None and ev.kind in ("finished", "rejected"):
             console.print(_study_progress_line(driver, elapsed))
@@ -732,6 +732,8 @@ def _event_line(ev: Any) -> str:
     """A study event that is not a trial's start or end, as the tune console prints it."""
     if ev.kind == "enqueue_refused":
         return f"[yellow]enqueue: not run[/]: {ev.detail[:400]}"
+    if ev.kind == "exhausted":
+        return f"[yellow]search space measured through[/]: {ev.detail[:400]}"
     return f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}"
 
 

@@ -188,8 +188,9 @@ class StudyEvent:
         kind: ``started``, ``progress`` (a running trial's phase and replay progress, at most
             every ``progress_interval_s``, in ``detail``), ``finished``, ``rejected``,
             ``retry``, ``stale``, ``enqueued`` (a configuration of the job's ``enqueue:``
-            added on resume) or ``enqueue_refused`` (those not added: the trial count is
-            reached; ``number`` -1).
+            added on resume), ``enqueue_refused`` (those not added: the trial count is
+            reached; ``number`` -1) or ``exhausted`` (the sampler proposed only configurations
+            the study had measured, :data:`MAX_REPEATS` in a row: launching stops; -1).
         number: Optuna trial number.
         result: The trial's result (``finished``).
         trial: The frozen trial after ``tell`` (``finished``, ``rejected``).
@@ -438,6 +439,9 @@ def create_storage(
 
 
 _LEARNING_SAMPLERS = ("tpe", "gp")
+MAX_REPEATS = 20
+"""Duplicate proposals in a row after which a study stops launching (its space is measured
+through)."""
 
 
 def _sampler(
@@ -614,6 +618,7 @@ class StudyDriver:
             until = parse_until(job.until, now=self.started_at)
             self.deadline = min(self.deadline, until) if self.deadline else until
         self._stop_requested = False
+        self._repeats = 0  # duplicate proposals in a row
         self._cancelled = False
         self._running: dict[int, tuple[Any, optuna.trial.Trial, int]] = {}
 
@@ -661,6 +666,20 @@ class StudyDriver:
 
     def _may_launch(self) -> bool:
         if self._stop_requested:
+            return False
+        if self._repeats >= MAX_REPEATS:
+            # A small discrete space, measured through: each launch would refuse a duplicate at
+            # once, and without a trial count the loop would spin until the budget ends.
+            self._stop_requested = True
+            self.on_event(
+                StudyEvent(
+                    "exhausted",
+                    -1,
+                    detail=f"the sampler proposed {MAX_REPEATS} configurations in a row that "
+                    "this study had measured: the search space looks measured through; no more "
+                    "trials are launched (widen the space to go on)",
+                )
+            )
             return False
         sampler = self.study.sampler
         if isinstance(sampler, _GridSampler) and sampler.is_exhausted(self.study):
@@ -853,7 +872,9 @@ class StudyDriver:
             )
             self.study.tell(trial, state=TrialState.FAIL)
             self.on_event(StudyEvent("rejected", trial.number, detail=f"duplicate of trial {twin}"))
+            self._repeats += 1
             return
+        self._repeats = 0
         problems = check_constraints(args, self.plan.context)
         if problems:
             # Never start an engine for an invalid combination; the sampler still learns.

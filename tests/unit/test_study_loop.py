@@ -648,3 +648,29 @@ def test_a_stated_acceptance_must_be_one_of_length_and_rates(tmp_path: Path) -> 
     rising = {"acceptance_rates": [0.5, 0.9]}
     with pytest.raises(ConfigError, match="not increase"):
         load_job(_job(tmp_path, engine={"speculation": rising}), base=tmp_path)
+
+
+def test_a_budget_study_stops_once_its_small_space_is_measured_through(tmp_path: Path) -> None:
+    """No trial count, a long budget, a 2-point space: TPE proposes no measured configuration
+    while one is free; then every proposal is a duplicate, and after MAX_REPEATS in a row the
+    study stops launching instead of refusing duplicates until the budget ends."""
+    from optimizer.study import MAX_REPEATS
+    from optimizer.trial_view import TrialView
+
+    space = {"name": "two", "params": {"max-num-seqs": {"type": "categorical", "choices": [4, 16]}}}
+    runner = FakeRunner()
+    driver = _driver(
+        tmp_path,
+        runner,
+        search_space=space,
+        trials=None,
+        budget="8h",
+        sampler={"name": "tpe", "seed": 0},
+    )
+    events: list[Any] = []
+    driver.on_event = events.append
+    study = driver.run()
+    assert len(runner.specs) == 3  # the baseline and both configurations, each once
+    statuses = [TrialView(t).status for t in study.get_trials()]
+    assert statuses.count("duplicate") == MAX_REPEATS
+    assert [e.kind for e in events if e.kind == "exhausted"] == ["exhausted"]
