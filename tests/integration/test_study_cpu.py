@@ -130,7 +130,17 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
         tiny_model,
         name="ci-study",
         trials=4,
-        enqueue=[{"max-num-seqs": 16, "kv-cache-memory-bytes": 1_000_000}],
+        # The infeasible corner first, then a configuration that serves: the study measures at
+        # least one tuned configuration whichever corner the sampler's one proposal picks (a CI
+        # run's TPE drew the 1 MB KV cache twice and measured only the baseline).
+        enqueue=[
+            {"max-num-seqs": 16, "kv-cache-memory-bytes": 1_000_000},
+            {
+                "max-num-seqs": 8,
+                "enable-prefix-caching": True,
+                "kv-cache-memory-bytes": 256 * 1024**2,
+            },
+        ],
     )
     proc = tune(write_job(tmp_path, job))
     out, _ = proc.communicate(timeout=1500)
