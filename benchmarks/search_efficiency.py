@@ -281,6 +281,7 @@ def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
     from an earlier study folder, through the product's own functions, on the table's grid."""
     from optuna.distributions import CategoricalDistribution
 
+    from objectives import load_objectives
     from optimizer.config import load_job
     from optimizer.study import _job_space
     from optimizer.warm_start import prior_trials, warm_start_configs
@@ -288,8 +289,14 @@ def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
     job, _base = load_job(job_file)
     space = _job_space(job)
     configs, _notes = warm_start_configs([folder.name], folder.parent, top, space)
+    objectives = load_objectives(
+        job.objectives.preset if not job.objectives.objectives else None,
+        job.objectives.objectives,
+        job.objectives.slos,
+    )
     pairs = [("capacity_rps", optuna.study.StudyDirection.MAXIMIZE)]
-    priors = prior_trials([folder.name], folder.parent, space, pairs).trials
+    slos = [str(x) for x in objectives.slos]
+    priors = prior_trials([folder.name], folder.parent, space, pairs, slos).trials
     dists = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
     on_grid = []
     for p in priors:  # the same points under the table's distributions (its choice order)

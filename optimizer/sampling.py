@@ -8,8 +8,9 @@ the prior observations a warm start brings.
   intersects the search spaces of all finished trials, so one param-less trial made its
   relative search space empty and every GP proposal after the baseline a uniform random draw;
 - puts the prior trials first: an earlier study's told trials, rebuilt on this study's search
-  space (:func:`optimizer.warm_start.prior_trials`), numbered below zero so they never meet a
-  trial of this study. They count toward the sampler's startup trials and its good/bad split
+  space (:func:`optimizer.warm_start.prior_trials`), numbered -1 so they never meet a trial of
+  this study (and do not end Optuna's search-space scans, which stop below their cursor).
+  They count toward the sampler's startup trials and its good/bad split
   like trials of this study; they are not in the study (no report, front or MLflow run lists
   them) and are never measured here;
 
@@ -18,15 +19,17 @@ when it can propose another: in a small discrete space TPE converges and keeps p
 best point, which the driver refuses as a duplicate (no server starts, the trial count is
 spent) and which TPE, not learning from the refusal, proposes again. A proposal that repeats a
 held configuration is asked again a few times (the sampler's random draws differ), then
-replaced by a configuration nobody holds, drawn uniformly; during the sampler's startup (its
-uniform random draws) the draw is uniform over the configurations nobody holds. Discrete spaces
-only: a continuous one does not repeat itself.
+replaced by a configuration nobody holds, drawn by Optuna's random sampler (its laws: a log
+scale stays one) until one is free; during the sampler's startup (its own random draws) the
+draws skip the held configurations the same way. A conditional space (``when``) is not covered:
+a proposal there is compared on the params every trial sets, which few trials hold.
 
 Everything else (storage writes, directions, the study's id) goes to the real study.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -87,8 +90,6 @@ class _StudyView:
 
 
 def _copy(trial: FrozenTrial) -> FrozenTrial:
-    import copy
-
     return copy.deepcopy(trial)
 
 
@@ -98,21 +99,22 @@ class KnowledgeSampler(BaseSampler):
 
     Args:
         inner: A model-based sampler (TPE, GP).
-        priors: Finished trials of earlier studies on this search space, numbered below zero.
+        priors: Finished trials of earlier studies on this search space, numbered -1.
     """
 
-    retries = 4
-    """Times a repeated proposal is asked again before a novel one is drawn."""
+    retries = 2
+    """Times a repeated proposal is asked again before a novel one is drawn (GP refits each
+    time: kept small)."""
 
     def __init__(
         self, inner: BaseSampler, priors: Sequence[FrozenTrial] = (), seed: int | None = None
     ) -> None:
-        numbers = [t.number for t in priors]
-        if any(n >= 0 for n in numbers) or len(set(numbers)) != len(numbers):
-            raise ValueError("prior trials need distinct numbers below zero")
+        if any(t.number >= 0 for t in priors):
+            raise ValueError("prior trials need numbers below zero (-1: see warm_start._prior)")
         self.inner = inner
         self.priors = tuple(priors)
         self._rng = random.Random(seed)
+        self._random = optuna.samplers.RandomSampler(seed=seed)
         self.replaced = 0
         """Proposals replaced by a novel configuration (for tests and benchmarks)."""
 
@@ -136,19 +138,36 @@ class KnowledgeSampler(BaseSampler):
             return params
         held = _held(study, trial, search_space)
         if not params:
-            # The sampler's startup (independent uniform draws): uniform over what nobody holds.
-            return (_novel(search_space, held, self._rng) if held else None) or params
+            # The sampler's startup (its independent random draws): the same random law, over
+            # the configurations nobody holds.
+            return (self._free(study, trial, search_space, held) if held else None) or params
         for _ in range(self.retries):
             if _key(params, search_space) not in held:
                 return params
             params = self.inner.sample_relative(view, trial, search_space)
         if _key(params, search_space) not in held:
             return params
-        novel = _novel(search_space, held, self._rng)
-        if novel is None:
-            return params  # every configuration is held (or the space is continuous)
+        free = self._free(study, trial, search_space, held)
+        if free is None:
+            return params  # every configuration is held (or none free was found)
         self.replaced += 1
-        return novel
+        return free
+
+    def _free(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        held: set[tuple[Any, ...]],
+    ) -> dict[str, Any] | None:
+        """A configuration nobody holds: Optuna's random draws (log scales kept) until one is
+        free; when the space is nearly all held, uniformly among the free ones listed."""
+        names = sorted(space)
+        for _ in range(_DRAWS):
+            draw = {n: self._random.sample_independent(study, trial, n, space[n]) for n in names}
+            if _key(draw, space) not in held:
+                return draw
+        return _listed_free(space, held, self._rng)
 
     def sample_independent(
         self,
@@ -179,7 +198,19 @@ class KnowledgeSampler(BaseSampler):
 
 
 def _key(params: dict[str, Any], space: dict[str, BaseDistribution]) -> tuple[Any, ...]:
-    return tuple(repr(params[name]) for name in sorted(space))
+    """A configuration as the space's distributions see it: a stepped float by its step index
+    (0.86 and 0.8600000000000001 are one point), a choice by its index."""
+    out: list[Any] = []
+    for name in sorted(space):
+        dist, value = space[name], params[name]
+        if isinstance(dist, FloatDistribution) and dist.step is not None:
+            out.append(round((float(value) - dist.low) / dist.step))
+            continue
+        try:
+            out.append(dist.to_internal_repr(value))
+        except (ValueError, TypeError):
+            out.append(repr(value))
+    return tuple(out)
 
 
 def _held(
@@ -201,38 +232,36 @@ def _held(
     return held
 
 
+_DRAWS = 2_000
 _ENUMERABLE = 100_000
 
 
 def _values(dist: BaseDistribution) -> list[Any] | None:
-    """Every value of a discrete distribution (None: continuous)."""
+    """Every value of a discrete distribution that it contains (None: continuous)."""
     if isinstance(dist, CategoricalDistribution):
         return list(dist.choices)
-    if isinstance(dist, IntDistribution) and not dist.log:
-        return list(range(dist.low, dist.high + 1, dist.step))
     if isinstance(dist, IntDistribution):
-        return list(range(dist.low, dist.high + 1))
+        return list(range(dist.low, dist.high + 1, 1 if dist.log else dist.step))
     if isinstance(dist, FloatDistribution) and dist.step is not None:
         count = round((dist.high - dist.low) / dist.step)
-        return [dist.low + i * dist.step for i in range(count + 1)]
+        values = [min(dist.high, dist.low + i * dist.step) for i in range(count + 1)]
+        return [v for v in values if dist._contains(dist.to_internal_repr(v))]
     return None
 
 
-def _novel(
+def _listed_free(
     space: dict[str, BaseDistribution], held: set[tuple[Any, ...]], rng: random.Random
 ) -> dict[str, Any] | None:
-    """A configuration of ``space`` nobody holds, uniformly at random (None: none, or the
-    space is continuous or too large to list)."""
+    """A configuration of ``space`` nobody holds, uniformly among all of them listed (None:
+    none free, or the space is continuous or too large to list)."""
     names = sorted(space)
     values = [_values(space[n]) for n in names]
-    if any(v is None for v in values):
-        return None
     lists = [v for v in values if v is not None]
-    if math.prod(len(v) for v in lists) > _ENUMERABLE:
+    if len(lists) < len(values) or math.prod(len(v) for v in lists) > _ENUMERABLE:
         return None
-    free = [
-        combo for combo in itertools.product(*lists) if tuple(repr(x) for x in combo) not in held
-    ]
-    if not free:
-        return None
-    return dict(zip(names, rng.choice(free), strict=True))
+    free = []
+    for combo in itertools.product(*lists):
+        point = dict(zip(names, combo, strict=True))
+        if _key(point, space) not in held:
+            free.append(point)
+    return rng.choice(free) if free else None

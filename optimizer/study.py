@@ -401,7 +401,7 @@ def _priors(job: JobConfig, base: Path, space: SearchSpace, objectives: Objectiv
     pairs = [
         (o.metric, optuna.study.StudyDirection[o.direction.upper()]) for o in objectives.objectives
     ]
-    return prior_trials(ws.studies, base, space, pairs)
+    return prior_trials(ws.studies, base, space, pairs, [str(x) for x in objectives.slos])
 
 
 def _portable_job(plan: StudyPlan) -> dict[str, Any]:

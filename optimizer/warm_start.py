@@ -13,8 +13,8 @@ studies' told trials as prior observations (:func:`prior_trials`, given through
 :class:`optimizer.sampling.KnowledgeSampler`): each rebuilt on this study's search space with the
 values it was told there (a failure's placeholder too: it teaches the sampler what crashed), so
 the sampler's startup and its split into good and bad configurations begin from what the
-earlier studies learnt. Only studies with the same objectives (names and directions) qualify,
-and only trials whose configuration this space can express. The values come from another
+earlier studies learnt. Only studies with the same objectives (names and directions) and SLOs
+qualify, and only trials whose configuration this space can express. The values come from another
 trace or machine: comparable only as the job's "same model, a similar trace" promises, which is
 why the best of them are measured again. No meta-learning sampler is shipped (OptunaHub's
 needs network access to load). plan.json and report.md say where each warm-start
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,9 @@ class Priors:
     """Earlier studies' told trials, rebuilt on this study's search space.
 
     Attributes:
-        trials: Complete trials numbered -1, -2, ... (params and distributions of this space,
-            the values told there), in the order the studies are named.
+        trials: Complete trials, each numbered -1 (see :func:`_prior`): params and
+            distributions of this space, the values and constraints told there, in the order
+            the studies are named.
         per_study: ``{folder: trials taken}``, as the job names the folders.
         notes: One line per study or trial left out, and why.
     """
@@ -155,13 +157,18 @@ def prior_trials(
     base: Path,
     space: SearchSpace,
     objectives: list[tuple[str, optuna.study.StudyDirection]],
+    slos: list[str],
 ) -> Priors:
     """The told trials of the earlier studies in ``folders`` as prior observations.
+
+    Each keeps the values and the constraints (SLO margins) it was told there, so a sampler
+    that reads constraints (GP) sees the same kind of trial as this study's.
 
     Args:
         folders: Study folders, relative to ``base``.
         space: This study's search space (the trials are rebuilt on it).
         objectives: This study's (metric, direction) pairs, in order.
+        slos: This study's SLOs as written (its constraints, in order).
 
     Raises:
         ConfigError: A folder is not a study folder, or its study cannot be opened.
@@ -170,51 +177,75 @@ def prior_trials(
     per_study: dict[str, int] = {}
     notes: list[str] = []
     for i, name in enumerate(folders):
-        study = _open((base / name).resolve(), f"warm_start.studies[{i}]")
+        folder = (base / name).resolve()
+        study = _open(folder, f"warm_start.studies[{i}]")
         theirs = list(zip(study.metric_names or [], study.directions, strict=False))
+        their_slos = json.loads((folder / "plan.json").read_text()).get("slos", [])
+        why = ""
         if theirs != objectives:
-            notes.append(
-                f"warm start: {name}: no prior trials for the sampler: its objectives "
-                f"{_objectives_text(theirs)} are not this study's {_objectives_text(objectives)}"
+            why = (
+                f"its objectives {_objectives_text(theirs)} are not this study's "
+                f"{_objectives_text(objectives)}"
             )
+        elif their_slos != slos:
+            why = f"its SLOs {their_slos} are not this study's {slos}"
+        if why:
+            notes.append(f"warm start: {name}: no prior trials for the sampler: {why}")
             continue
-        taken = 0
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            view = TrialView(t)
-            if view.is_baseline or not t.values:
-                continue
-            rebuilt = _on_space(space, view.engine_args)
-            if rebuilt is None:
-                continue
-            params, distributions = rebuilt
-            trials.append(
-                optuna.trial.create_trial(
-                    params=params,
-                    distributions=distributions,
-                    values=list(t.values),
-                    user_attrs={"prior_from": f"{name} trial {t.number}"},
-                )
-            )
-            trials[-1].number = -len(trials)
-            taken += 1
-        per_study[name] = taken
+        taken = [p for t in study.get_trials(deepcopy=False) if (p := _prior(space, t, name))]
+        trials += taken
+        per_study[name] = len(taken)
     return Priors(tuple(trials), per_study, tuple(notes))
+
+
+def _prior(space: SearchSpace, trial: FrozenTrial, name: str) -> FrozenTrial | None:
+    """One told trial rebuilt on ``space``, numbered -1 (None: not a told tuned trial, or a
+    configuration this space cannot express).
+
+    Every prior is numbered -1: below every trial of a study, and the same for all, because
+    Optuna's intersection search space scans trials from the newest back and stops at the
+    first number below its cursor (-1 at first): a prior numbered -2 would end its scan.
+    """
+    view = TrialView(trial)
+    if trial.state != TrialState.COMPLETE or view.is_baseline or not trial.values:
+        return None
+    rebuilt = _on_space(space, view.engine_args)
+    if rebuilt is None:
+        return None
+    params, distributions = rebuilt
+    try:
+        prior = optuna.trial.create_trial(
+            params=params,
+            distributions=distributions,
+            values=list(trial.values),
+            constraints=dict(trial.constraints) if trial.constraints else None,
+            user_attrs={"prior_from": f"{name} trial {trial.number}"},
+        )
+    except ValueError:  # a value off the space's grid (a step it does not lie on)
+        return None
+    prior.number = -1
+    return prior
 
 
 def _on_space(
     space: SearchSpace, args: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """A configuration's params and distributions on ``space`` (None: it cannot say it: a value
-    outside the space, or an active param it does not set)."""
+    outside the space or off its step grid, or an active param it does not set)."""
     try:
         params = space.enqueue_params(args)
     except SearchSpaceError:
         return None
     trial = optuna.trial.FixedTrial(params)
-    try:
-        space.suggest(trial)
-    except ValueError:
-        return None  # an active param the earlier trial never had a value for
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FixedTrial warns of an off-grid value: checked below
+        try:
+            space.suggest(trial)
+        except ValueError:
+            return None  # an active param the earlier trial never had a value for
+    for key, dist in trial.distributions.items():
+        if not dist._contains(dist.to_internal_repr(trial.params[key])):
+            return None
     return dict(trial.params), dict(trial.distributions)
 
 

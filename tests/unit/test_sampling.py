@@ -8,7 +8,12 @@ from typing import Any
 
 import optuna
 import pytest
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
 from optuna.trial import FrozenTrial
 
 from optimizer.sampling import KnowledgeSampler
@@ -88,7 +93,7 @@ def _priors(best: int, count: int) -> list[FrozenTrial]:
             distributions=dist,
             value=-abs(SEQS.index(seqs) - SEQS.index(best)),
         )
-        t.number = -(i + 1)
+        t.number = -1  # as warm_start numbers every prior
         out.append(t)
     return out
 
@@ -134,7 +139,7 @@ def test_the_study_holds_no_prior_trial() -> None:
 
 def test_prior_trials_must_be_numbered_below_zero() -> None:
     bad = _priors(64, 2)
-    bad[1].number = 0
+    bad[1].number = 0  # would meet this study's first trial
     with pytest.raises(ValueError, match="below zero"):
         KnowledgeSampler(_tpe(0), bad)
 
@@ -165,3 +170,67 @@ def test_tpe_never_proposes_a_held_configuration_while_one_is_free() -> None:
     wrapped = _grid_study(sampler, 36)
     assert len(set(wrapped)) == 36  # every grid point, none twice
     assert sampler.replaced > 0
+
+
+def _xy_prior(x: float, y: int) -> FrozenTrial:
+    t = optuna.trial.create_trial(
+        params={"x": x, "y": y},
+        distributions={"x": FloatDistribution(0.0, 1.0), "y": CategoricalDistribution([1, 2, 3])},
+        value=-((x - 0.3) ** 2),
+        constraints={"0": -1.0},
+    )
+    t.number = -1
+    return t
+
+
+def test_gp_sees_every_prior_in_its_search_space() -> None:
+    # Optuna's intersection search space scans back from the newest trial and stops at the
+    # first number below its cursor (-1): priors numbered -2, -3 would end the scan at once.
+    priors = [_xy_prior(0.1 * i, 1 + i % 3) for i in range(3)]
+    study = _with_baseline(
+        KnowledgeSampler(optuna.samplers.GPSampler(seed=1, n_startup_trials=1), priors), 0
+    )
+    t = study.ask()
+    space = study.sampler.infer_relative_search_space(study, study.trials[-1])
+    assert set(space) == {"x", "y"}
+    t.suggest_float("x", 0.0, 1.0)
+    assert any(k.startswith("gp:relative_params") for k in study.trials[-1].system_attrs)
+
+
+def test_gp_with_priors_and_constrained_trials_proposes() -> None:
+    # Every trial of a study is told constraints (its SLO margins); priors carry theirs too, or
+    # GP refuses the mix ("The number of constraints must be the same for all trials").
+    sampler = KnowledgeSampler(
+        optuna.samplers.GPSampler(seed=1, n_startup_trials=2), [_xy_prior(0.2, 1)]
+    )
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    for _ in range(3):
+        t = study.ask()
+        x = t.suggest_float("x", 0.0, 1.0)
+        t.suggest_categorical("y", [1, 2, 3])
+        study._storage.set_trial_system_attr(t._trial_id, "constraints", [-1.0])
+        study.tell(t, -((x - 0.3) ** 2))
+
+
+def test_a_stepped_float_is_one_point_whatever_its_last_digit() -> None:
+    from optimizer.sampling import _key, _values
+
+    space = {"u": FloatDistribution(0.8, 0.95, step=0.01)}
+    assert _key({"u": 0.86}, space) == _key({"u": 0.8 + 6 * 0.01}, space)
+    values = _values(space["u"])
+    assert values is not None and len(values) == 16 and max(values) <= 0.95
+
+
+def test_free_draws_keep_a_log_scale() -> None:
+    from optimizer.sampling import _key
+
+    space: dict[str, BaseDistribution] = {"n": IntDistribution(1, 1024, log=True)}
+    sampler = KnowledgeSampler(_tpe(0), seed=0)
+    study = optuna.create_study()
+    trial = study.ask()
+    held = {_key({"n": 512}, space)}
+    draws = [sampler._free(study, study.trials[-1], space, held) for _ in range(400)]
+    assert all(d is not None and d["n"] != 512 for d in draws)
+    small = sum(1 for d in draws if d is not None and d["n"] <= 32) / len(draws)
+    assert small > 0.35, small  # log-uniform: about half; uniform over the integers: 3 %
+    study.tell(trial, 0.0)

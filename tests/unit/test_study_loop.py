@@ -19,6 +19,7 @@ from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.report import front_rows, study_status
 from optimizer.sampling import KnowledgeSampler
 from optimizer.study import StudyDriver, is_baseline, prepare
+from optimizer.trial_view import TrialView
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle, ScriptedRunner
 
@@ -510,6 +511,7 @@ def test_warm_start_enqueues_the_best_of_an_earlier_study_after_the_baseline(
         warm_start=warm,
         trials=4,
         sampler={"name": "tpe", "seed": 1},
+        objectives=loose,  # the same objectives and SLOs: the earlier trials are priors here
     ).run()
     trials = study.get_trials()
     assert is_baseline(trials[0])
@@ -674,3 +676,41 @@ def test_a_budget_study_stops_once_its_small_space_is_measured_through(tmp_path:
     statuses = [TrialView(t).status for t in study.get_trials()]
     assert statuses.count("duplicate") == MAX_REPEATS
     assert [e.kind for e in events if e.kind == "exhausted"] == ["exhausted"]
+
+
+def test_a_gp_study_warm_started_with_prior_trials_runs(tmp_path: Path) -> None:
+    """GP reads constraints: the priors carry the SLO margins they were told, so the mix of
+    prior and own trials is one kind of trial (without them GP raised at its first model)."""
+    loose = {"preset": "default", "slos": ["p95_ttft_ms<=1000"]}
+    _driver(tmp_path / "a", FakeRunner(), out=str(tmp_path / "a" / "out"), objectives=loose).run()
+    runner = FakeRunner()
+    driver = _driver(
+        tmp_path / "b",
+        runner,
+        out=str(tmp_path / "b" / "out"),
+        objectives=loose,
+        warm_start={"studies": [str(tmp_path / "a" / "out")], "top": 1},
+        sampler={"name": "gp", "seed": 0, "n_startup_trials": 2},
+        trials=6,
+    )
+    assert driver.plan.priors.trials and all(p.constraints for p in driver.plan.priors.trials)
+    study = driver.run()
+    statuses = [TrialView(t).status for t in study.get_trials()]
+    assert len(statuses) == 6 and set(statuses) <= {"complete", "rejected"}, statuses
+    assert len(runner.specs) == statuses.count("complete")
+
+
+def test_a_prior_off_the_spaces_step_grid_is_left_out() -> None:
+    from optimizer.warm_start import _on_space
+    from search_spaces import load_space
+
+    space = load_space(
+        {
+            "name": "s",
+            "params": {
+                "gpu-memory-utilization": {"type": "float", "low": 0.8, "high": 0.94, "step": 0.02}
+            },
+        }
+    )
+    assert _on_space(space, {"gpu-memory-utilization": 0.84}) is not None
+    assert _on_space(space, {"gpu-memory-utilization": 0.85}) is None
