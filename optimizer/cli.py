@@ -733,7 +733,7 @@ def _event_line(ev: Any) -> str:
     if ev.kind == "enqueue_refused":
         return f"[yellow]enqueue: not run[/]: {ev.detail[:400]}"
     if ev.kind == "exhausted":
-        return f"[yellow]search space measured through[/]: {ev.detail[:400]}"
+        return f"[yellow]no new configuration proposed[/]: {ev.detail[:400]}"
     return f"[yellow]trial {ev.number} {ev.kind}[/]: {ev.detail[:300]}"
 
 

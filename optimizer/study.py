@@ -668,7 +668,8 @@ class StudyDriver:
         if self._stop_requested:
             return False
         if self._repeats >= MAX_REPEATS:
-            # A small discrete space, measured through: each launch would refuse a duplicate at
+            # A small discrete space measured through (or a converged sampler in a conditional
+            # space, where repeats are not avoided): each launch would refuse a duplicate at
             # once, and without a trial count the loop would spin until the budget ends.
             self._stop_requested = True
             self.on_event(
@@ -676,8 +677,9 @@ class StudyDriver:
                     "exhausted",
                     -1,
                     detail=f"the sampler proposed {MAX_REPEATS} configurations in a row that "
-                    "this study had measured: the search space looks measured through; no more "
-                    "trials are launched (widen the space to go on)",
+                    "this study had measured (the space is measured through, or the sampler "
+                    "has converged): no more trials are launched; widen the space, or resume "
+                    "with the random sampler, to go on",
                 )
             )
             return False
