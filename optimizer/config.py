@@ -339,7 +339,8 @@ class WarmStartSection(_Strict):
             similar trace.
         top: Best configurations taken from each.
         priors: Also give a model-based sampler (TPE, GP) the earlier studies' told trials as
-            prior observations (same objectives only; :func:`optimizer.warm_start.prior_trials`).
+            prior observations (same objectives and SLOs only;
+            :func:`optimizer.warm_start.prior_trials`).
     """
 
     studies: list[str] = Field(min_length=1)
