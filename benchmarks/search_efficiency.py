@@ -44,7 +44,6 @@ import math
 import random
 import statistics
 import sys
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -281,25 +280,19 @@ def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
     from an earlier study folder, through the product's own functions, on the table's grid."""
     from optuna.distributions import CategoricalDistribution
 
-    from objectives import load_objectives
-    from optimizer.config import load_job
-    from optimizer.study import _job_space
-    from optimizer.warm_start import prior_trials, warm_start_configs
+    from optimizer.config import WarmStartSection, load_job
+    from optimizer.study import _job_space, _with_warm_start, job_objectives
 
     job, _base = load_job(job_file)
+    # The grid's job, as a TPE study warm-started from the folder.
+    section = WarmStartSection(studies=[str(folder.resolve())], top=top)
+    tpe = job.sampler.model_copy(update={"name": "tpe"})
+    job = job.model_copy(update={"warm_start": section, "sampler": tpe})
     space = _job_space(job)
-    configs, _notes = warm_start_configs([folder.name], folder.parent, top, space)
-    objectives = load_objectives(
-        job.objectives.preset if not job.objectives.objectives else None,
-        job.objectives.objectives,
-        job.objectives.slos,
-    )
-    pairs = [("capacity_rps", optuna.study.StudyDirection.MAXIMIZE)]
-    slos = [str(x) for x in objectives.slos]
-    priors = prior_trials([folder.name], folder.parent, space, pairs, slos).trials
+    _job, configs, _notes, priors = _with_warm_start(job, Path("."), space, job_objectives(job))
     dists = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
     on_grid = []
-    for p in priors:  # the same points under the table's distributions (its choice order)
+    for p in priors.trials:  # the same points under the table's distributions (choice order)
         t = optuna.trial.create_trial(
             params={k: p.params[k] for k in table.grid}, distributions=dists, values=p.values
         )
@@ -311,20 +304,15 @@ def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
 def _sampler(
     name: str, table: Table, seed: int, warm: Warm | None = None
 ) -> optuna.samplers.BaseSampler:
-    # TPE and GP as a study runs them: wrapped in the product's KnowledgeSampler (a warm
-    # start's priors; never a held configuration while a free one is left).
-    from optimizer.sampling import KnowledgeSampler
+    # TPE and GP as a study runs them (the product's KnowledgeSampler: a warm start's priors;
+    # never a held configuration while a free one is left).
+    from optimizer.sampling import model_sampler
 
     if name in ("tpe-racing", "tpe", WARM):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            tpe = optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=4
-            )
         priors = warm.priors if name == WARM and warm else ()
-        return KnowledgeSampler(tpe, priors, seed=seed)
+        return model_sampler("tpe", seed, 4, priors)
     if name == "gp":
-        return KnowledgeSampler(optuna.samplers.GPSampler(seed=seed, n_startup_trials=4), seed=seed)
+        return model_sampler("gp", seed, 4)
     if name == "grid":
         return optuna.samplers.GridSampler(table.grid, seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)

@@ -33,6 +33,7 @@ import copy
 import itertools
 import math
 import random
+import warnings
 from collections.abc import Container, Sequence
 from typing import Any, cast
 
@@ -46,7 +47,39 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["KnowledgeSampler"]
+__all__ = ["MODEL_SAMPLERS", "KnowledgeSampler", "model_sampler"]
+
+MODEL_SAMPLERS = ("tpe", "gp")
+"""Samplers that learn from trials (and so from a warm start's priors)."""
+
+
+def model_sampler(
+    name: str,
+    seed: int | None,
+    n_startup_trials: int,
+    priors: Sequence[FrozenTrial] = (),
+) -> KnowledgeSampler:
+    """TPE or GP as every study runs them, wrapped in :class:`KnowledgeSampler`.
+
+    TPE is multivariate with groups (conditional params form separate groups) and a constant
+    liar (parallel trials do not propose the same configuration).
+    """
+    inner: BaseSampler
+    if name == "gp":
+        inner = optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials)
+    elif name == "tpe":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            inner = optuna.samplers.TPESampler(
+                seed=seed,
+                multivariate=True,
+                group=True,
+                constant_liar=True,
+                n_startup_trials=n_startup_trials,
+            )
+    else:
+        raise ValueError(f"{name!r} is not one of {MODEL_SAMPLERS}")
+    return KnowledgeSampler(inner, priors, seed=seed)
 
 
 class _StudyView:
@@ -75,22 +108,14 @@ class _StudyView:
         own = self._study.get_trials(deepcopy=deepcopy, states=states)
         return self._merge(own, states, deepcopy)
 
-    @property
-    def trials(self) -> list[FrozenTrial]:
-        return self.get_trials()
-
     def _merge(
         self, own: list[FrozenTrial], states: Container[TrialState] | None, deepcopy: bool
     ) -> list[FrozenTrial]:
         priors = [t for t in self._priors if states is None or t.state in states]
         if deepcopy:
-            priors = [_copy(t) for t in priors]
+            priors = [copy.deepcopy(t) for t in priors]
         kept = [t for t in own if t.params or not t.state.is_finished()]
         return [*priors, *kept]
-
-
-def _copy(trial: FrozenTrial) -> FrozenTrial:
-    return copy.deepcopy(trial)
 
 
 class KnowledgeSampler(BaseSampler):

@@ -55,7 +55,7 @@ from optimizer.engine.defaults import (
 )
 from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
 from optimizer.errors import ConfigError
-from optimizer.sampling import KnowledgeSampler
+from optimizer.sampling import MODEL_SAMPLERS, model_sampler
 from optimizer.study_folder import portable_url
 from optimizer.trial_io import progress_line, read_progress
 from optimizer.trial_view import (
@@ -274,11 +274,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
 
     shaped, notes = _shaped_trace(job)
     space = _job_space(job)
-    objectives = load_objectives(
-        job.objectives.preset if not job.objectives.objectives else None,
-        job.objectives.objectives,
-        job.objectives.slos,
-    )
+    objectives = job_objectives(job)
 
     job, warm, warm_notes, priors = _with_warm_start(job, base, space, objectives)
     install = installed_vllm(job.engine.python) if check_flags else None
@@ -340,6 +336,14 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     )
 
 
+def job_objectives(job: JobConfig) -> ObjectiveSet:
+    """The job's objectives and SLOs (a preset, or its own objectives)."""
+    section = job.objectives
+    return load_objectives(
+        section.preset if not section.objectives else None, section.objectives, section.slos
+    )
+
+
 def _job_space(job: JobConfig) -> SearchSpace:
     space = load_space(job.search_space)
     if job.sampler.name == "grid":
@@ -391,7 +395,7 @@ def _priors(job: JobConfig, base: Path, space: SearchSpace, objectives: Objectiv
     ws = job.warm_start
     if ws is None or not ws.priors:
         return Priors()
-    if job.sampler.name not in _LEARNING_SAMPLERS:
+    if job.sampler.name not in MODEL_SAMPLERS:
         return Priors(
             notes=(
                 f"warm start: no prior trials given: the {job.sampler.name} sampler does not "
@@ -438,7 +442,6 @@ def create_storage(
     )
 
 
-_LEARNING_SAMPLERS = ("tpe", "gp")
 MAX_REPEATS = 20
 """Duplicate proposals in a row after which a study stops launching (its space is measured
 through)."""
@@ -469,22 +472,7 @@ def _sampler(
         return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "grid":
         return _GridSampler(space.grid(), seed=s.seed)
-    if s.name == "gp":
-        return KnowledgeSampler(
-            optuna.samplers.GPSampler(seed=seed, n_startup_trials=s.n_startup_trials),
-            priors,
-            seed=seed,
-        )
-    # multivariate + group: conditional parameters form separate groups; constant liar keeps
-    # parallel trials from proposing the same configuration.
-    tpe = optuna.samplers.TPESampler(
-        seed=seed,
-        multivariate=True,
-        group=True,
-        constant_liar=True,
-        n_startup_trials=s.n_startup_trials,
-    )
-    return KnowledgeSampler(tpe, priors, seed=seed)
+    return model_sampler(s.name, seed, s.n_startup_trials, priors)
 
 
 class _GridSampler(optuna.samplers.GridSampler):

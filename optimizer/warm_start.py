@@ -79,7 +79,7 @@ def warm_start_configs(
     seen: set[str] = set()
     for i, name in enumerate(folders):
         folder = (base / name).resolve()
-        study = _open(folder, f"warm_start.studies[{i}]")
+        study, _plan = _open(folder, f"warm_start.studies[{i}]")
         for trial in _best(study, top):
             view = TrialView(trial)
             try:
@@ -96,7 +96,8 @@ def warm_start_configs(
     return out, notes
 
 
-def _open(folder: Path, key: str) -> optuna.Study:
+def _open(folder: Path, key: str) -> tuple[optuna.Study, dict[str, Any]]:
+    """An earlier study and its plan.json."""
     plan_file = folder / "plan.json"
     if not plan_file.is_file():
         raise ConfigError(
@@ -105,11 +106,12 @@ def _open(folder: Path, key: str) -> optuna.Study:
         )
     plan = json.loads(plan_file.read_text())
     try:
-        return optuna.load_study(study_name=plan["study"], storage=storage_url_of(plan, folder))
+        study = optuna.load_study(study_name=plan["study"], storage=storage_url_of(plan, folder))
     except Exception as exc:  # a missing or foreign storage: say which, no traceback
         raise ConfigError(
             f"{key}: cannot open the study in {folder}: {type(exc).__name__}: {str(exc)[:200]}"
         ) from None
+    return study, plan
 
 
 def _best(study: optuna.Study, top: int) -> list[FrozenTrial]:
@@ -178,9 +180,9 @@ def prior_trials(
     notes: list[str] = []
     for i, name in enumerate(folders):
         folder = (base / name).resolve()
-        study = _open(folder, f"warm_start.studies[{i}]")
+        study, plan = _open(folder, f"warm_start.studies[{i}]")
         theirs = list(zip(study.metric_names or [], study.directions, strict=False))
-        their_slos = json.loads((folder / "plan.json").read_text()).get("slos", [])
+        their_slos = plan.get("slos", [])
         why = ""
         if theirs != objectives:
             why = (

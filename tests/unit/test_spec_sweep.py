@@ -55,6 +55,18 @@ def test_sweep_points_turn_speculation_off_once_and_skip_unreachable_lengths() -
         sweep_points(args, [4.5, 6.0])
 
 
+def _speculating(study: Any, tokens: int) -> Any:
+    """The study's trial that speculated ``tokens`` tokens."""
+    return next(
+        t
+        for t in study.get_trials()
+        if json.loads(t.user_attrs["engine_args"])
+        .get("speculative-config", {})
+        .get("num_speculative_tokens")
+        == tokens
+    )
+
+
 class FakeSpeculationRunner(ScriptedRunner):
     """FAKE server: P95 TPOT 24 ms without speculation, 40 / L ms at acceptance length L."""
 
@@ -80,14 +92,7 @@ def test_the_sweep_runs_the_chosen_trial_off_and_at_each_length_and_writes_the_a
         sampler={"name": "grid", "seed": 0},
         trials=5,
     ).run()
-    chosen = next(
-        t
-        for t in study.get_trials()
-        if json.loads(t.user_attrs["engine_args"])
-        .get("speculative-config", {})
-        .get("num_speculative_tokens")
-        == 3
-    )
+    chosen = _speculating(study, tokens=3)
     folder = tmp_path / "out"
     saved = json.loads((folder / "plan.json").read_text())
     runner = FakeSpeculationRunner()
@@ -143,14 +148,7 @@ def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Pat
     study = StudyDriver(
         plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
     ).run()
-    chosen = next(
-        t
-        for t in study.get_trials()
-        if json.loads(t.user_attrs["engine_args"])
-        .get("speculative-config", {})
-        .get("num_speculative_tokens")
-        == 3
-    )
+    chosen = _speculating(study, tokens=3)
     folder = Path(job["out"])
     saved = json.loads((folder / "plan.json").read_text())
     runner = FakeCapacitySpeculationRunner()

@@ -551,37 +551,26 @@ def test_warm_start_priors_only_from_studies_with_the_same_objectives(tmp_path: 
     loose = {"preset": "default", "slos": ["p95_ttft_ms<=1000"]}
     _driver(tmp_path / "a", FakeRunner(), out=str(tmp_path / "a" / "out"), objectives=loose).run()
     warm = {"studies": [str(tmp_path / "a" / "out")], "top": 1}
-    other = {"preset": "latency", "slos": ["p95_ttft_ms<=1000"]}
-    driver = _driver(
-        tmp_path / "b",
-        FakeRunner(),
-        out=str(tmp_path / "b" / "out"),
-        warm_start=warm,
-        objectives=other,
-        sampler={"name": "tpe", "seed": 1},
-    )
-    assert driver.plan.priors.trials == ()
-    assert any("no prior trials for the sampler: its objectives" in n for n in driver.plan.notes)
+
+    def warm_driver(name: str, **over: Any) -> StudyDriver:
+        job = {"warm_start": warm, "objectives": loose, "sampler": {"name": "tpe", "seed": 1}}
+        return _driver(
+            tmp_path / name, FakeRunner(), out=str(tmp_path / name / "out"), **{**job, **over}
+        )
+
+    other = warm_driver("b", objectives={"preset": "latency", "slos": ["p95_ttft_ms<=1000"]})
+    assert other.plan.priors.trials == ()
+    assert any("no prior trials for the sampler: its objectives" in n for n in other.plan.notes)
+    tighter = warm_driver("e", objectives={"preset": "default", "slos": ["p95_ttft_ms<=500"]})
+    assert tighter.plan.priors.trials == ()
+    assert any("no prior trials for the sampler: its SLOs" in n for n in tighter.plan.notes)
     # A sampler that learns nothing from trials gets none, and the plan says so.
-    rnd = _driver(
-        tmp_path / "c",
-        FakeRunner(),
-        out=str(tmp_path / "c" / "out"),
-        warm_start=warm,
-        objectives=loose,
-        sampler={"name": "random", "seed": 0},
-    )
+    rnd = warm_driver("c", sampler={"name": "random", "seed": 0})
     assert rnd.plan.priors.trials == ()
     assert any("the random sampler does not learn" in n for n in rnd.plan.notes)
-    off = _driver(
-        tmp_path / "d",
-        FakeRunner(),
-        out=str(tmp_path / "d" / "out"),
-        warm_start={**warm, "priors": False},
-        objectives=loose,
-        sampler={"name": "tpe", "seed": 1},
-    )
+    off = warm_driver("d", warm_start={**warm, "priors": False})
     assert off.plan.priors.trials == () and len(off.plan.warm_start) == 1
+    assert len(warm_driver("f").plan.priors.trials) == 5
 
 
 def test_warm_start_from_a_folder_that_is_no_study_names_the_key(tmp_path: Path) -> None:
