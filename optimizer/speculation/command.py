@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
         help="acceptance lengths to measure, comma-separated (default 1,1.5,2,2.5,3)",
     )
     p.add_argument("--runner", default="ray", choices=["ray", "local"])
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure every row again, even one whose exact engine arguments a trial of the "
+        "study ran (by default that trial is the row: no server start)",
+    )
     p.set_defaults(func=cmd_spec_sweep)
 
 
@@ -61,6 +67,7 @@ def cmd_spec_sweep(ns: argparse.Namespace) -> int:
         lambda plan: make_runner(ns.runner, plan, None),
         trial=ns.trial,
         progress=lambda line: console.print(f"[dim]{escape(line)}[/]"),
+        reuse=not ns.remeasure,
     )
     console.print(sweep_table(doc))
     console.print(escape(doc["answer"]))

@@ -143,8 +143,15 @@ def run_sweep(
     *,
     trial: int | None = None,
     progress: Callable[[str], None] | None = None,
+    reuse: bool = True,
 ) -> dict[str, Any]:
     """Run the sweep on the chosen configuration (or ``trial``); write and return the document.
+
+    ``reuse``: a row whose configuration the study itself measured (a complete trial with exactly
+    these engine arguments, the stated acceptance included, and for capacity a full search, not
+    a race) is that trial's measurement (said in the row's ``reused_trial``) instead of one more
+    server start; typically "off" is the baseline and the study's stated length is the chosen
+    trial itself.
 
     Raises:
         ConfigError: No trial to choose, no speculation in it, no reachable length.
@@ -159,9 +166,17 @@ def run_sweep(
     capacity = plan.objectives.is_capacity
     runs_dir = Path(folder) / "spec_sweep" / time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, TrialResult] = {}
+    reused: dict[str, int] = {}
+    for label, args in runs if reuse else ():
+        found = measured_as(study, args, capacity)
+        if found is not None:
+            results[label], reused[label] = found, found.number
+            say(f"acceptance {label}: measured in the study as trial {found.number}")
     runner = make_runner(plan)
     try:
         for i, (label, args) in enumerate(runs):
+            if label in results:
+                continue
             spec = plan.trial_spec(
                 view.number, args, workdir=runs_dir / label, seed=900_000 + i, early_stop=None
             )
@@ -170,7 +185,32 @@ def run_sweep(
             say(f"acceptance {label}: {results[label].status.value} {results[label].message}")
     finally:
         runner.close()
-    return _write(folder, view, runs, results, capacity, runs_dir)
+    return _write(folder, view, runs, results, capacity, runs_dir, reused)
+
+
+def measured_as(study: optuna.Study, args: Mapping[str, Any], capacity: bool) -> TrialResult | None:
+    """The study's own measurement of ``args`` (exactly these engine arguments), if it has one.
+
+    Only a complete trial counts, and for a capacity study only a full search (a trial that
+    lost its race has an upper bound, not a capacity).
+    """
+    key = json.dumps(dict(args), sort_keys=True, default=str)
+    for frozen in study.get_trials(deepcopy=False):
+        view = TrialView(frozen)
+        if not view.measured or json.dumps(view.engine_args, sort_keys=True, default=str) != key:
+            continue
+        doc = frozen.user_attrs.get("capacity")
+        if capacity and (not isinstance(doc, Mapping) or doc.get("raced_out") or
+                         doc.get("race_scale") is not None):
+            continue
+        return TrialResult(
+            number=view.number,
+            status=TrialStatus.COMPLETE,
+            summary=view.summary,
+            capacity=dict(doc) if isinstance(doc, Mapping) else {},
+            message=f"measured in the study as trial {view.number} (same engine arguments)",
+        )
+    return None
 
 
 def _write(
@@ -180,6 +220,7 @@ def _write(
     results: Mapping[str, TrialResult],
     capacity: bool,
     runs_dir: Path,
+    reused: Mapping[str, int],
 ) -> dict[str, Any]:
     figure = "capacity_rps" if capacity else "p95_tpot_ms"
     off = _figure(results["off"], capacity)
@@ -201,6 +242,7 @@ def _write(
                 "status": results[label].status.value,
                 "message": results[label].message,
                 "engine_args": args,
+                "reused_trial": reused.get(label),
             }
             for label, args in runs
         ],
