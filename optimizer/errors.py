@@ -52,6 +52,7 @@ class FailureClass(enum.StrEnum):
     KV_CACHE_TOO_SMALL = "kv_cache_too_small"
     INVALID_ARGUMENT = "invalid_argument"
     CUDA_ERROR = "cuda_error"
+    MISSING_MODULE = "missing_module"
     ENGINE_CRASHED = "engine_crashed"
     STARTUP_TIMEOUT = "startup_timeout"
 

@@ -49,6 +49,10 @@ _INVALID = re.compile(
     r"|ValueError|NotImplementedError|is not supported|not supported with"
     r"|must be (?:greater|less|at least|a multiple)"
 )
+# The server's Python lacks a module vLLM imports for this configuration (e.g. compressed-tensors
+# for any quantization in vLLM 0.26): the environment's fault, not the arguments'. Checked first:
+# warnings printed before the traceback (transformers' rope checks, say) are no cause.
+_MISSING = re.compile(r"ModuleNotFoundError: No module named '(?P<name>[\w.]+)'")
 _CAUSE = re.compile(r"Value error, |error: |Error: |ValueError: |RuntimeError: ")
 _KV_NUMBERS = re.compile(
     r"max seq len \((?P<len>\d+)\), \((?P<need>[\d.]+) GiB KV cache is needed.*?"
@@ -67,6 +71,10 @@ def classify_failure(
         one-paragraph explanation naming what to change.
     """
     lines = [ln.rstrip() for ln in log_text.splitlines() if ln.strip()]
+    missing = [ln for ln in lines if _MISSING.search(ln)]
+    if missing:
+        relevant = tuple(dict.fromkeys(missing[-1:] + lines[-LOG_TAIL_LINES:]))
+        return FailureClass.MISSING_MODULE, relevant, explain(FailureClass.MISSING_MODULE, missing[-1])
     for cls, pattern in (
         (FailureClass.KV_CACHE_TOO_SMALL, _KV_TOO_SMALL),
         (FailureClass.OOM_AT_LOAD, _OOM),
@@ -122,6 +130,17 @@ def explain(cls: FailureClass, evidence: str) -> str:
             "CUDA/NCCL error: the device or the communication library failed. Check that no "
             "other process holds the GPU and that the driver matches the vLLM build. Evidence: "
             + evidence.splitlines()[-1][:300]
+        )
+    if cls is FailureClass.MISSING_MODULE:
+        m = _MISSING.search(evidence)
+        name = m.group("name") if m else "?"
+        top = name.split(".")[0]
+        return (
+            f"The server's Python has no module {top!r}, which vLLM imports for this "
+            "configuration: the environment is incomplete, the configuration may be fine. "
+            f"Install the package that provides {top!r} (vLLM's own requirements pin it; e.g. "
+            f"pip install {top.replace('_', '-')}) where the server runs, then re-run this "
+            "configuration."
         )
     if cls is FailureClass.INVALID_ARGUMENT:
         return (

@@ -149,3 +149,22 @@ def test_engine_config_line_gives_vllms_effective_settings() -> None:
     # A restarted engine logs again: the last line wins.
     again = CONFIG_LOG.replace("max_seq_len=2048", "max_seq_len=4096")
     assert parse_engine_config(CONFIG_LOG + again)["max_seq_len"] == "4096"
+
+
+def test_a_missing_module_is_the_cause_not_the_warnings_before_it() -> None:
+    # vLLM 0.26 on the H200 with quantization fp8 and no compressed-tensors installed (issue 32):
+    # transformers' rope warnings came first and were reported as an invalid argument.
+    log = (
+        "(APIServer pid=2354) [transformers] `rope_parameters`'s original_max_position_embeddings "
+        "field must be less than max_position_embeddings, got 8192 and max_position_embeddings=8192\n"
+        "(APIServer pid=2354) Traceback (most recent call last):\n"
+        '(APIServer pid=2354)   File "vllm/model_executor/layers/fused_moe/oracle/int_wna16.py", '
+        "line 8, in <module>\n"
+        "(APIServer pid=2354)     from compressed_tensors.quantization import (\n"
+        "(APIServer pid=2354) ModuleNotFoundError: No module named 'compressed_tensors'\n"
+    )
+    cls, lines, explanation = classify_failure(log, exit_code=1)
+    assert cls is FailureClass.MISSING_MODULE
+    assert "'compressed_tensors'" in explanation and "pip install compressed-tensors" in explanation
+    assert "rope" not in explanation
+    assert lines[0].endswith("No module named 'compressed_tensors'")
