@@ -74,7 +74,11 @@ def classify_failure(
     missing = [ln for ln in lines if _MISSING.search(ln)]
     if missing:
         relevant = tuple(dict.fromkeys(missing[-1:] + lines[-LOG_TAIL_LINES:]))
-        return FailureClass.MISSING_MODULE, relevant, explain(FailureClass.MISSING_MODULE, missing[-1])
+        return (
+            FailureClass.MISSING_MODULE,
+            relevant,
+            explain(FailureClass.MISSING_MODULE, missing[-1]),
+        )
     for cls, pattern in (
         (FailureClass.KV_CACHE_TOO_SMALL, _KV_TOO_SMALL),
         (FailureClass.OOM_AT_LOAD, _OOM),

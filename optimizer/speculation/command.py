@@ -78,11 +78,14 @@ def cmd_spec_sweep(ns: argparse.Namespace) -> int:
 
 
 def sweep_table(doc: dict[str, Any]) -> Table:
-    """One row per run: the acceptance length, the figure, P95 TPOT, the status."""
+    """One row per run: the acceptance length, the figure, P95 TPOT, the status, and where it
+    was measured (now, or the study's trial with the same engine arguments)."""
     figure = doc["figure"]
     table = Table(title=f"speculative decoding of trial {doc['trial']}: {figure} by acceptance")
-    for column in ("acceptance length", figure, _tpot_column(figure), "status"):
-        table.add_column(column, justify="right" if column != "status" else "left")
+    for column in ("acceptance length", figure, _tpot_column(figure), "status", "measured"):
+        table.add_column(
+            column, justify="right" if column not in ("status", "measured") else "left"
+        )
     for row in doc["rows"]:
         length = row["acceptance_length"]
         table.add_row(
@@ -90,6 +93,9 @@ def sweep_table(doc: dict[str, Any]) -> Table:
             _num(row[figure]),
             _num(row["p95_tpot_ms"]),
             escape(str(row["status"])),
+            "now"
+            if row.get("reused_trial") is None
+            else f"in the study, trial {row['reused_trial']}",
         )
     return table
 

@@ -200,8 +200,11 @@ def measured_as(study: optuna.Study, args: Mapping[str, Any], capacity: bool) ->
         if not view.measured or json.dumps(view.engine_args, sort_keys=True, default=str) != key:
             continue
         doc = frozen.user_attrs.get("capacity")
-        if capacity and (not isinstance(doc, Mapping) or doc.get("raced_out") or
-                         doc.get("race_scale") is not None):
+        if capacity and (
+            not isinstance(doc, Mapping)
+            or doc.get("raced_out")
+            or doc.get("race_scale") is not None
+        ):
             continue
         return TrialResult(
             number=view.number,

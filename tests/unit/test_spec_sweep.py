@@ -162,3 +162,63 @@ def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Pat
     assert doc["break_even_length"] == pytest.approx(2.0, abs=0.1)
     # P95 TPOT of every row from the search's first step (one load), not its capacity step.
     assert [r["p95_tpot_ms"] for r in doc["rows"]] == [pytest.approx(20.0)] * 4
+
+
+def test_rows_the_study_measured_are_its_trials_not_new_server_starts(tmp_path: Path) -> None:
+    # As on the H200 (issue 32): the baseline runs exactly the chosen trial's arguments without
+    # speculation, and the chosen trial is the stated length: only the other lengths start servers.
+    from optimizer.config import load_job
+    from optimizer.study import StudyDriver, prepare
+    from tests.unit.capacity.test_capacity_study import _job
+
+    space = {
+        "name": "spec-lever",
+        "params": {
+            "speculative-config.method": {"type": "categorical", "choices": [None, "ngram"]},
+            "speculative-config.num_speculative_tokens": {
+                "type": "int",
+                "low": 1,
+                "high": 4,
+                "when": {"speculative-config.method": "ngram"},
+            },
+        },
+    }
+    job = _job(
+        tmp_path,
+        engine={
+            "args": {"max-model-len": 2048},
+            "baseline_args": {},
+            "speculation": {"acceptance_length": 2.5},
+        },
+        search_space=space,
+        sampler={"name": "tpe", "seed": 0},
+        enqueue=[{"speculative-config": NGRAM}],
+        trials=2,
+    )
+    loaded, base = load_job(job, base=tmp_path)
+    plan = prepare(loaded, base, check_flags=False)
+    study = StudyDriver(
+        plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
+    ).run()
+    chosen = _speculating(study, tokens=3)
+    folder = Path(job["out"])
+    saved = json.loads((folder / "plan.json").read_text())
+
+    runner = FakeCapacitySpeculationRunner()
+    doc = run_sweep(folder, saved, study, [1.5, 2.5, 3.5], lambda plan: runner, trial=chosen.number)
+    lengths = [
+        s.engine.args["speculative-config"]["synthetic_acceptance_length"] for s in runner.specs
+    ]
+    assert lengths == [1.5, 3.5]  # off and 2.5 were measured by the study
+    rows = {r["acceptance_length"]: r for r in doc["rows"]}
+    assert rows[None]["reused_trial"] == 0 and rows[2.5]["reused_trial"] == chosen.number
+    assert rows[1.5]["reused_trial"] is None and rows[3.5]["reused_trial"] is None
+    per_scale = rows[None]["capacity_rps"]
+    assert rows[2.5]["capacity_rps"] == pytest.approx(1.25 * per_scale, rel=0.05)
+    assert doc["break_even_length"] == pytest.approx(2.0, abs=0.1)
+
+    again = FakeCapacitySpeculationRunner()
+    doc = run_sweep(
+        folder, saved, study, [1.5, 2.5, 3.5], lambda plan: again, trial=chosen.number, reuse=False
+    )
+    assert len(again.specs) == 4 and all(r["reused_trial"] is None for r in doc["rows"])
