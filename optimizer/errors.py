@@ -53,6 +53,7 @@ class FailureClass(enum.StrEnum):
     INVALID_ARGUMENT = "invalid_argument"
     CUDA_ERROR = "cuda_error"
     MISSING_MODULE = "missing_module"
+    PARAMETER_INACTIVE = "parameter_inactive"
     ENGINE_CRASHED = "engine_crashed"
     STARTUP_TIMEOUT = "startup_timeout"
 

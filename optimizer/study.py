@@ -51,7 +51,9 @@ from optimizer.config import JobConfig, parse_budget, parse_until
 from optimizer.engine.defaults import (
     apply_engine_defaults,
     compile_cache_env,
+    kv_env_conflict,
     prompt_token_range,
+    trial_env,
 )
 from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
 from optimizer.errors import ConfigError
@@ -107,6 +109,10 @@ class StudyPlan:
         priors: Earlier studies' told trials, given to a TPE or GP sampler as prior observations.
         notes: What else preparing decided, one line each (a warm-start configuration
             skipped, and why).
+        study_name: The study's name in its storage (empty: the job's name, as ``tune``
+            keeps it; the service names each study by its team and job id, so two teams'
+            jobs of the same name never share a study in a shared storage). ``plan.json``
+            records it.
     """
 
     job: JobConfig
@@ -124,6 +130,12 @@ class StudyPlan:
     warm_start: tuple[WarmStart, ...] = ()
     priors: Priors = field(default_factory=Priors)
     notes: tuple[str, ...] = ()
+    study_name: str = ""
+
+    @property
+    def storage_name(self) -> str:
+        """The study's name in its storage: :attr:`study_name`, else the job's name."""
+        return self.study_name or self.job.name
 
     def with_acceptance(self, args: dict[str, Any]) -> dict[str, Any]:
         """A trial's engine arguments with the job's stated speculation acceptance in an
@@ -156,6 +168,7 @@ class StudyPlan:
         capacity = job.capacity.settings() if self.objectives.is_capacity else None
         # The study's compile caches live in its folder, wherever the folder is now.
         env = compile_cache_env(Path(self.out) / "cache", self.engine.env)
+        env = trial_env(args, env, cpu_build=self.context.cpu_build, job_env=job.engine.env)
         if capacity is not None:
             # /reset_prefix_cache between capacity steps (dev-mode endpoints only).
             env.update(dev_mode_env())
@@ -258,8 +271,12 @@ def _validate_flags(
             validate_engine_args({flag: value}, flags)
 
 
-def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
+def prepare(
+    job: JobConfig, base: Path, *, check_flags: bool = True, study_name: str | None = None
+) -> StudyPlan:
     """Validate a job completely and build its plan; nothing is started.
+
+    ``study_name`` names the study in its storage (default: the job's name).
 
     Raises:
         ConfigError: Anything wrong with the job, its trace, its space or its flags.
@@ -301,6 +318,9 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     if install is not None:
         _validate_flags(install, space, engine_args, baseline)
     _refuse_unstated_speculation(job, space, engine_args, baseline)
+    conflict = kv_env_conflict(list(space.params), job.engine.env, cpu_build=is_cpu)
+    if conflict:
+        raise ConfigError(f"job {job.name!r}: {conflict}")
 
     token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
@@ -333,6 +353,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         warm_start=tuple(warm),
         priors=priors,
         notes=tuple(warm_notes),
+        study_name=study_name or "",
     )
 
 
@@ -585,7 +606,7 @@ class StudyDriver:
         self.heartbeat_interval_s = heartbeat_interval_s
         job = plan.job
         self.study = optuna.create_study(
-            study_name=job.name,
+            study_name=plan.storage_name,
             storage=self.storage,
             sampler=_sampler(job, plan.space, priors=plan.priors.trials),
             directions=[o.direction for o in plan.objectives.objectives],
@@ -1029,7 +1050,7 @@ class StudyDriver:
 
     def _write_plan(self) -> None:
         doc = {
-            "study": self.plan.job.name,
+            "study": self.plan.storage_name,
             "storage": portable_url(self.plan.storage_url, self.plan.out),
             "vllm": self.plan.vllm,
             "trace": self.plan.job.trace.path,

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
 from optimizer.capacity.trial import CapacityOutcome, run_capacity
+from optimizer.engine.defaults import memory_param_problem
 from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
 from optimizer.trial_io import TrialProgress, read_records, write_records
@@ -186,6 +187,10 @@ def run_trial(
             )
         if on_engine_ready is not None:
             on_engine_ready(server)
+        account = server.memory_account()
+        inactive = memory_param_problem(spec.engine.args, account.kv_cache_gib if account else None)
+        if inactive is not None:
+            return _finish(spec, _inactive(spec, server, inactive))
         if spec.capacity is not None:
             reporter.phase("capacity search")
             return _finish(spec, _measure_capacity(spec, server, reporter, isolate_client))
@@ -194,6 +199,20 @@ def run_trial(
     finally:
         reporter.phase("stopping server")
         server.stop()
+
+
+def _inactive(spec: TrialSpec, server: Engine, problem: str) -> TrialResult:
+    """A tuned parameter did not act on the engine: flagged, never measured or scored."""
+    return TrialResult(
+        number=spec.number,
+        status=TrialStatus.FAILED,
+        failure_class=FailureClass.PARAMETER_INACTIVE,
+        message=problem,
+        log_path=str(server.log_path),
+        memory=server.memory_account(),
+        startup_s=server.startup_s,
+        startup=server.startup_phases,
+    )
 
 
 def _died(spec: TrialSpec, exc: EngineError, during: str, **measured: Any) -> TrialResult:

@@ -4,7 +4,11 @@
   with ``load-format: dummy`` (random weights); a folder with weights, or a hub name, is not.
 - The CPU build sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB), which overrides
   ``kv-cache-memory-bytes``: it is set unless the arguments size the cache in bytes or the
-  environment already has it.
+  environment already has it. A trial whose own arguments size it in bytes runs without the
+  job-level default (:func:`trial_env`); a job whose environment sets it while its search space
+  tunes ``kv-cache-memory-bytes`` is refused (:func:`kv_env_conflict`), and after a start the
+  engine's reported KV cache must match what ``kv-cache-memory-bytes`` asked for
+  (:func:`memory_param_problem`), or the trial is not scored.
 - Prompt token ids come from the model folder's vocabulary, else a range every tokenizer has.
 - A study's servers share compile caches kept in the study folder (vLLM's torch.compile cache,
   Inductor's and Triton's): a later trial, a resumed study, a re-validation or the same study
@@ -26,7 +30,10 @@ __all__ = [
     "apply_engine_defaults",
     "compile_cache_env",
     "has_weights",
+    "kv_env_conflict",
+    "memory_param_problem",
     "prompt_token_range",
+    "trial_env",
 ]
 
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -90,6 +97,70 @@ def apply_engine_defaults(
         out_env[KV_CACHE_ENV] = str(gib)
         notes.append(f"CPU build: {KV_CACHE_ENV}={gib} GiB")
     return EngineDefaults(args=out_args, env=out_env, notes=tuple(notes))
+
+
+_KV_BYTES = "kv-cache-memory-bytes"
+_GIB = 1024**3
+
+
+def _sizes_kv_in_bytes(args: Mapping[str, Any]) -> Any:
+    """The trial's ``kv-cache-memory-bytes`` value (any spelling), or None."""
+    for key, value in args.items():
+        if normalize_flag(str(key)) == _KV_BYTES:
+            return value
+    return None
+
+
+def trial_env(
+    args: Mapping[str, Any], env: Mapping[str, str], *, cpu_build: bool, job_env: Mapping[str, str]
+) -> dict[str, str]:
+    """A trial's server environment: ``env`` (the job's, with the defaults applied) without the
+    CPU build's default ``VLLM_CPU_KVCACHE_SPACE`` when the trial sizes its KV cache in bytes
+    (the variable would override it: every trial of a grid over kv-cache-memory-bytes got the
+    same 1 GiB cache). A value the job itself set stays (such jobs are refused at preparation
+    when the space tunes the bytes: :func:`kv_env_conflict`)."""
+    out = dict(env)
+    if cpu_build and _sizes_kv_in_bytes(args) is not None and KV_CACHE_ENV not in job_env:
+        out.pop(KV_CACHE_ENV, None)
+    return out
+
+
+def kv_env_conflict(
+    tuned_flags: Sequence[str], job_env: Mapping[str, str], *, cpu_build: bool
+) -> str | None:
+    """Why a job cannot tune kv-cache-memory-bytes as written (None: it can)."""
+    flags = {normalize_flag(f).partition(".")[0] for f in tuned_flags}
+    if cpu_build and _KV_BYTES in flags and KV_CACHE_ENV in job_env:
+        return (
+            f"the search space tunes {_KV_BYTES}, but engine.env sets {KV_CACHE_ENV}, which "
+            f"overrides it on the CPU build (every trial would get the same KV cache): remove "
+            f"{KV_CACHE_ENV} from engine.env"
+        )
+    return None
+
+
+def memory_param_problem(args: Mapping[str, Any], kv_cache_gib: float | None) -> str | None:
+    """Whether the KV cache the engine reports is the one ``kv-cache-memory-bytes`` asked for.
+
+    Returns a sentence when the parameter did not act (the reported size is off by more than
+    10 % and more than vLLM's two-decimal rounding of GiB), None when it did, when the trial
+    does not set it, or when the engine reported no size (nothing to check).
+    """
+    wanted = _sizes_kv_in_bytes(args)
+    if wanted is None or kv_cache_gib is None:
+        return None
+    try:
+        wanted_gib = float(wanted) / _GIB
+    except (TypeError, ValueError):
+        return None
+    if abs(kv_cache_gib - wanted_gib) <= max(0.1 * wanted_gib, 0.01):
+        return None
+    return (
+        f"{_KV_BYTES} asked for {wanted_gib:.3g} GiB of KV cache, but the engine reports "
+        f"{kv_cache_gib:.3g} GiB: the parameter did not act (on the CPU build "
+        f"{KV_CACHE_ENV} overrides it), so this trial measures another configuration than its "
+        "label and is not scored"
+    )
 
 
 def prompt_token_range(model: str | None, explicit: Sequence[int] | None = None) -> tuple[int, int]:

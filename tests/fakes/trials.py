@@ -61,6 +61,7 @@ class FakeEngine:
         ttft_s: The fake server's time to first token.
         fail_start: Raise this from :meth:`start` (e.g. an EngineError).
         die_after_replay: Raise this from :meth:`check_alive` (the engine died mid-measure).
+        memory: The memory account it reports (default: none).
     """
 
     def __init__(
@@ -70,7 +71,9 @@ class FakeEngine:
         fail_start: BaseException | None = None,
         die_after_replay: BaseException | None = None,
         log_path: Path | None = None,
+        memory: MemoryAccount | None = None,
     ) -> None:
+        self._memory = memory
         self._server = FakeOpenAIServer(ttft_s=ttft_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -108,7 +111,7 @@ class FakeEngine:
             raise self._die
 
     def memory_account(self) -> MemoryAccount | None:
-        return None
+        return self._memory
 
     def effective_config(self) -> dict[str, str]:
         return {}

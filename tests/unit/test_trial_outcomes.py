@@ -125,3 +125,24 @@ def test_summary_send_lag_has_one_definition(
     assert s["p50_send_lag_ms"] <= s["p99_send_lag_ms"] <= s["max_send_lag_ms"]
     assert s["p99_send_lag_ms"] == pytest.approx(1.0, abs=0.01)
     assert s["max_send_lag_ms"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_kv_cache_size_the_engine_did_not_take_is_flagged_not_measured(tmp_path: Path) -> None:
+    # The CPU grid of issue 34: kv-cache-memory-bytes 64 MiB, but VLLM_CPU_KVCACHE_SPACE=1 won
+    # and the engine reported 1 GiB (262,144 tokens) for every label.
+    from dataclasses import replace
+
+    from optimizer.types import MemoryAccount
+
+    spec = _spec(tmp_path)
+    spec = replace(spec, engine=EngineConfig(model="m", args={"kv-cache-memory-bytes": 64 << 20}))
+    engine = FakeEngine(memory=MemoryAccount(kv_cache_gib=1.0, kv_cache_tokens=262_144))
+    result = trial_mod.run_trial(spec, engine=engine)
+    assert result.status is TrialStatus.FAILED
+    assert result.failure_class is FailureClass.PARAMETER_INACTIVE
+    assert "asked for 0.0625 GiB" in result.message and "reports 1 GiB" in result.message
+    assert result.summary == {} and not result.records and engine.stopped
+    # vLLM prints the size it took rounded to 0.01 GiB: 64 MiB reads 0.06 and acted.
+    acted = FakeEngine(memory=MemoryAccount(kv_cache_gib=0.06, kv_cache_tokens=16_384))
+    result = trial_mod.run_trial(replace(spec, workdir=str(tmp_path / "t2")), engine=acted)
+    assert result.status is TrialStatus.COMPLETE, result.message

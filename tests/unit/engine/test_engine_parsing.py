@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import pytest
 
 from optimizer.engine.logs import (
     classify_failure,
@@ -168,3 +171,57 @@ def test_a_missing_module_is_the_cause_not_the_warnings_before_it() -> None:
     assert "'compressed_tensors'" in explanation and "pip install compressed-tensors" in explanation
     assert "rope" not in explanation
     assert lines[0].endswith("No module named 'compressed_tensors'")
+
+
+def test_the_cpu_builds_kv_variable_never_overrides_a_trials_kv_bytes() -> None:
+    from optimizer.engine.defaults import KV_CACHE_ENV, kv_env_conflict, trial_env
+
+    job_level = {KV_CACHE_ENV: "1", "OTHER": "x"}  # the job's default for its baseline
+    sized = trial_env({"kv-cache-memory-bytes": 1 << 26}, job_level, cpu_build=True, job_env={})
+    assert sized == {"OTHER": "x"}
+    assert trial_env({"max-num-seqs": 4}, job_level, cpu_build=True, job_env={}) == job_level
+    assert (
+        trial_env({"kv_cache_memory_bytes": 1}, job_level, cpu_build=False, job_env={}) == job_level
+    )
+    # A variable the job set itself stays, and such a job cannot tune the bytes at all.
+    mine = {KV_CACHE_ENV: "1"}
+    assert trial_env({"kv-cache-memory-bytes": 1}, mine, cpu_build=True, job_env=mine) == mine
+    problem = kv_env_conflict(["kv-cache-memory-bytes"], mine, cpu_build=True)
+    assert problem and "remove VLLM_CPU_KVCACHE_SPACE from engine.env" in problem
+    assert kv_env_conflict(["max-num-seqs"], mine, cpu_build=True) is None
+    assert kv_env_conflict(["kv-cache-memory-bytes"], {}, cpu_build=True) is None
+
+
+def test_a_study_over_kv_bytes_gives_each_trial_its_own_cache_on_the_cpu_build(
+    tmp_path: Path,
+) -> None:
+    # Issue 34: the job-level VLLM_CPU_KVCACHE_SPACE went to every trial of the CPU grid.
+    from dataclasses import replace
+
+    from optimizer.config import load_job
+    from optimizer.errors import ConfigError
+    from optimizer.study import prepare
+    from tests.unit.capacity.test_capacity_study import _job
+
+    space = {
+        "name": "kv",
+        "params": {"kv-cache-memory-bytes": {"type": "categorical", "choices": [1 << 26, 1 << 29]}},
+    }
+    job = _job(tmp_path, search_space=space, enqueue=[])
+    job["engine"]["kv_cache_gib"] = 1
+    loaded, base = load_job(job, base=tmp_path)
+    plan = prepare(loaded, base, check_flags=False)
+    cpu_here = plan.context.cpu_build  # no GPU: what prepare takes for the CPU build
+    plan = replace(plan, context=replace(plan.context, cpu_build=True))
+    cpu_env = {**plan.engine.env, "VLLM_CPU_KVCACHE_SPACE": "1"}  # the baseline's, as on vllm-cpu
+    plan = replace(plan, engine=replace(plan.engine, env=cpu_env))
+    tuned = plan.trial_spec(1, {"kv-cache-memory-bytes": 1 << 26}, workdir=tmp_path / "t", seed=1)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in tuned.engine.env
+    baseline = plan.trial_spec(0, {"max-num-seqs": 4}, workdir=tmp_path / "b", seed=1)
+    assert baseline.engine.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # A job that sets the variable itself while tuning the bytes is refused, where it would act.
+    job["engine"]["env"] = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    loaded, base = load_job(job, base=tmp_path)
+    if cpu_here:
+        with pytest.raises(ConfigError, match="overrides it on the CPU build"):
+            prepare(loaded, base, check_flags=False)
