@@ -33,6 +33,7 @@ from optimizer.types import CapacitySettings
 from search_spaces.speculation import rates_problems
 
 __all__ = [
+    "MAX_BUDGET",
     "CapacitySection",
     "EngineSection",
     "JobConfig",
@@ -221,9 +222,9 @@ class ObjectivesSection(_Strict):
             always replays the whole trace: it is the reference).
     """
 
-    preset: str | None = "default"
-    objectives: list[str] | None = None
-    slos: list[str] = Field(default_factory=list)
+    preset: PlainText | None = "default"
+    objectives: list[PlainText] | None = None
+    slos: list[PlainText] = Field(default_factory=list)
     early_stop: bool = True
 
 
@@ -395,8 +396,8 @@ class JobConfig(_Strict):
     capacity: CapacitySection = Field(default_factory=CapacitySection)
     sampler: SamplerSection = Field(default_factory=SamplerSection)
     trials: int | None = Field(default=None, ge=1)
-    budget: str | None = None
-    until: str | None = None
+    budget: PlainText | None = None
+    until: PlainText | None = None
     parallel: int = Field(default=1, ge=1)
     storage: PlainText | None = None
     out: PlainText | None = None
@@ -460,17 +461,29 @@ _BUDGET = re.compile(
 )
 
 
+#: Longest budget a job may give (a study of a year is a mistake, and a larger one overflows).
+MAX_BUDGET = timedelta(days=365)
+
+
 def parse_budget(text: str) -> timedelta:
-    """``"8h"``, ``"1h30m"``, ``"90m"``, ``"45s"`` -> timedelta.
+    """``"8h"``, ``"1h30m"``, ``"90m"``, ``"45s"`` -> timedelta, at most :data:`MAX_BUDGET`.
 
     Raises:
-        ConfigError: Unreadable text.
+        ConfigError: Unreadable text, or a duration longer than :data:`MAX_BUDGET`.
     """
+    shown = escape_controls(text[:40])
     m = _BUDGET.match(text)
     if not m or not any(m.groups()):
-        raise ConfigError(f"budget {text!r}: expected a duration such as 8h, 1h30m, 90m or 600s")
+        raise ConfigError(f"budget {shown!r}: expected a duration such as 8h, 1h30m, 90m or 600s")
     h, mins, s = (float(g) if g else 0.0 for g in m.groups())
-    return timedelta(hours=h, minutes=mins, seconds=s)
+    seconds = h * 3600 + mins * 60 + s
+    limit = MAX_BUDGET.total_seconds()
+    if not seconds <= limit:  # inf and NaN included
+        raise ConfigError(
+            f"budget {shown!r}: longer than the longest budget, {limit / 3600:.0f}h "
+            f"({MAX_BUDGET.days} days); give at most {limit / 3600:.0f}h"
+        )
+    return timedelta(seconds=seconds)
 
 
 def parse_until(text: str, *, now: datetime) -> datetime:
@@ -482,7 +495,9 @@ def parse_until(text: str, *, now: datetime) -> datetime:
     try:
         t = datetime.strptime(text.strip(), "%H:%M").time()
     except ValueError as exc:
-        raise ConfigError(f"until {text!r}: expected a local time HH:MM such as 07:00") from exc
+        raise ConfigError(
+            f"until {escape_controls(text[:40])!r}: expected a local time HH:MM such as 07:00"
+        ) from exc
     at = now.replace(hour=t.hour, minute=t.minute, second=0, microsecond=0)
     return at if at > now else at + timedelta(days=1)
 
@@ -506,11 +521,12 @@ def _explain(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid job file"]
     for err in exc.errors():
         loc = tuple(err["loc"])
-        path = ".".join(str(p) for p in loc) or "(top level)"
+        # a key is the submitter's text: one line, bounded (a newline would split the errors)
+        path = ".".join(escape_controls(str(p)[:80]) for p in loc) or "(top level)"
         msg = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             names = _field_names(JobConfig, loc)
-            close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+            close = difflib.get_close_matches(str(loc[-1])[:80], names, n=1)
             fix = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
             msg = f"unknown key; {fix}"
         elif err["type"] == "missing":

@@ -38,8 +38,9 @@ from optimizer.service.auth import (
     parse_token_env,
     read_token_file,
 )
-from optimizer.service.facade import JobService, Upload
+from optimizer.service.facade import ExportResult, JobService, Upload
 from optimizer.service.scheduler import Scheduler
+from optimizer.service.security import MAX_BODY_BYTES
 from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, ServiceSettings
 from optimizer.service.store import JobStore
 from optimizer.service.study_host import RayDriverLauncher
@@ -62,20 +63,25 @@ _bearer = HTTPBearer(auto_error=False, description="a token from the service's t
 
 
 class _TooLarge(Exception):
-    pass
+    def __init__(self, limit: int, what: str = "the request") -> None:
+        super().__init__(limit)
+        self.limit, self.what = limit, what
+
+
+_JOB_BODY = "a JSON or YAML job body (send a larger trace as a multipart `trace` part)"
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge
+        raise _TooLarge(limit, _JOB_BODY)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _TooLarge
+            raise _TooLarge(limit, _JOB_BODY)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -117,7 +123,7 @@ _SUBMISSION_BODY = {
 }
 
 
-def _map_errors(app: FastAPI, limit: int) -> None:
+def _map_errors(app: FastAPI) -> None:
     """Errors to statuses, in one place: 422 invalid, 404 unknown, the refusal's own, 413."""
 
     @app.exception_handler(ConfigError)
@@ -133,15 +139,15 @@ def _map_errors(app: FastAPI, limit: int) -> None:
         return _error(exc.status, str(exc))
 
     @app.exception_handler(_TooLarge)
-    async def _large(_r: Request, _exc: _TooLarge) -> JSONResponse:
-        return _error(413, f"the request is larger than {limit} bytes")
+    async def _large(_r: Request, exc: _TooLarge) -> JSONResponse:
+        return _error(413, f"{exc.what} is limited to {exc.limit} bytes")
 
 
 def _capped(request: Request, limit: int) -> Request:
     """``request`` whose body stream refuses (413) as soon as it passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge
+        raise _TooLarge(limit)
     received = 0
 
     async def receive() -> Message:
@@ -149,7 +155,7 @@ def _capped(request: Request, limit: int) -> Request:
         message = await request.receive()
         received += len(message.get("body", b""))
         if received > limit:
-            raise _TooLarge
+            raise _TooLarge(limit)
         return message
 
     return Request(request.scope, receive)
@@ -159,17 +165,20 @@ def _capped(request: Request, limit: int) -> Request:
 async def _read_submission(
     request: Request, limit: int
 ) -> AsyncIterator[tuple[Submission, Upload | None]]:
-    """A submission and its uploaded trace from a JSON, YAML or multipart body of at most
-    ``limit`` bytes; a multipart trace part is a file spooled to disk, deleted on exit."""
+    """A submission and its uploaded trace from a multipart body of at most ``limit`` bytes,
+    or a JSON or YAML one of at most :data:`~optimizer.service.security.MAX_BODY_BYTES` (the
+    job part of a multipart body too: what parsing a job may cost is bounded); a multipart
+    trace part is a file spooled to disk, deleted on exit."""
     ctype = request.headers.get("content-type", "")
+    job_limit = min(limit, MAX_BODY_BYTES)
     if not ctype.startswith("multipart/form-data"):
-        body = await _read_body(request, limit)
+        body = await _read_body(request, job_limit)
         yield await run_in_threadpool(_parse_submission, body, ctype), None
         return
     # Parsed as it streams in; file parts go to temporary files in a worker thread.
-    form = await _capped(request, limit).form(max_files=2, max_fields=8, max_part_size=limit)
+    form = await _capped(request, limit).form(max_files=2, max_fields=8, max_part_size=job_limit)
     try:
-        yield await _form_submission(form)
+        yield await _form_submission(form, job_limit)
     finally:
         await form.close()
 
@@ -179,13 +188,16 @@ def _parse_submission(body: bytes, content_type: str) -> Submission:
     return parse_submission(parse_body(body, content_type))
 
 
-async def _form_submission(form: FormData) -> tuple[Submission, Upload | None]:
-    """The submission of a multipart form: its `job` part, time window and `trace` file."""
+async def _form_submission(form: FormData, job_limit: int) -> tuple[Submission, Upload | None]:
+    """The submission of a multipart form: its `job` part (at most ``job_limit`` bytes),
+    time window and `trace` file."""
     part = form.get("job")
     if part is None:
         raise ConfigError("multipart submission: the `job` part is missing")
     if isinstance(part, UploadFile):
-        raw, part_type = await part.read(), part.content_type or ""
+        raw, part_type = await part.read(job_limit + 1), part.content_type or ""
+        if len(raw) > job_limit:
+            raise _TooLarge(job_limit, "the multipart `job` part")
     else:
         raw, part_type = part.encode(), ""
     sub = await run_in_threadpool(_parse_submission, raw, part_type)
@@ -224,7 +236,7 @@ def create_app(service: JobService) -> FastAPI:
     authed = [Depends(auth)]
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
-    _map_errors(app, settings.max_upload_bytes)
+    _map_errors(app)
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, Any]:
@@ -297,10 +309,28 @@ def _add_study_routes(app: FastAPI, service: JobService, authed: list[Any], call
         return service.cancel(study_id, who)
 
 
-def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], caller: Any) -> None:
-    """Export a study's chosen configuration as a download."""
+def _download(study_id: str, fmt: str, result: ExportResult) -> Response:
+    media = "text/x-shellscript" if fmt == "vllm-cli" else "application/yaml"
+    return Response(
+        content=result.text,
+        media_type=media,
+        headers={
+            "Content-Disposition": f'attachment; filename="{study_id}-{result.filename}"',
+            "X-Autotune-Trial": str(result.trial),
+        },
+    )
 
-    @app.post("/v1/studies/{study_id}/export", dependencies=authed, tags=["studies"])
+
+def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], caller: Any) -> None:
+    """Export a study's chosen configuration as a download; a re-validated export is a
+    validation to poll (queued, run off the request path), then to download."""
+
+    @app.post(
+        "/v1/studies/{study_id}/export",
+        dependencies=authed,
+        tags=["studies"],
+        responses={202: {"description": "validate=true: the validation queued, to poll"}},
+    )
     def export(
         study_id: str,
         format: Annotated[Literal[FORMATS], Query()],  # type: ignore[valid-type]
@@ -315,27 +345,41 @@ def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], call
         force: bool = False,
         who: Principal = caller,
     ) -> Response:
-        """The chosen configuration as a download (re-validation only with validate=true)."""
-        result = service.export(
-            study_id,
-            format,
-            policy,
-            trial=trial,
-            weights=parse_weights(weight or []),
-            validate=validate,
-            runs=runs,
-            force=force,
-            who=who,
-        )
-        media = "text/x-shellscript" if format == "vllm-cli" else "application/yaml"
-        return Response(
-            content=result.text,
-            media_type=media,
-            headers={
-                "Content-Disposition": f'attachment; filename="{study_id}-{result.filename}"',
-                "X-Autotune-Trial": str(result.trial),
-            },
-        )
+        """The chosen configuration as a download; with validate=true, 202 and the queued
+        validation (poll it; download its export once done)."""
+        weights = parse_weights(weight or [])
+        if validate:
+            doc = service.request_validation(
+                study_id,
+                format,
+                policy,
+                trial=trial,
+                weights=weights,
+                runs=runs,
+                force=force,
+                who=who,
+            )
+            return JSONResponse(status_code=202, content=doc, headers={"Location": doc["poll"]})
+        result = service.export(study_id, format, policy, trial=trial, weights=weights, who=who)
+        return _download(study_id, format, result)
+
+    @app.get(
+        "/v1/studies/{study_id}/validations/{validation_id}", dependencies=authed, tags=["studies"]
+    )
+    def validation(study_id: str, validation_id: str, who: Principal = caller) -> dict[str, Any]:
+        """A queued export validation: queued, running, done (download it), refused, failed."""
+        return service.validation(study_id, validation_id, who)
+
+    @app.get(
+        "/v1/studies/{study_id}/validations/{validation_id}/export",
+        dependencies=authed,
+        tags=["studies"],
+    )
+    def validation_export(study_id: str, validation_id: str, who: Principal = caller) -> Response:
+        """The export of a validation that is done (409 before, or with the refusal)."""
+        result = service.validation_export(study_id, validation_id, who)
+        doc = service.validation(study_id, validation_id, who)
+        return _download(study_id, doc["format"], result)
 
 
 def _submit(

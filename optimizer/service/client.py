@@ -111,10 +111,22 @@ class ServiceClient:
         result: dict[str, Any] = self._call("POST", f"/v1/studies/{study_id}/cancel").json()
         return result
 
-    def export(self, study_id: str, fmt: str, **params: Any) -> tuple[str, str]:
-        """(file text, suggested file name) of an export."""
+    def export(
+        self, study_id: str, fmt: str, *, poll_s: float = 5.0, **params: Any
+    ) -> tuple[str, str]:
+        """(file text, suggested file name) of an export. A re-validated one (``validate``)
+        is a validation the service queues: polled every ``poll_s`` seconds until it ends,
+        then downloaded (or its refusal raised)."""
         query = {"format": fmt, **{k: v for k, v in params.items() if v is not None}}
         r = self._call("POST", f"/v1/studies/{study_id}/export", params=query)
+        if r.status_code == 202:
+            doc = r.json()
+            while doc["state"] in ("queued", "running"):
+                time.sleep(poll_s)
+                doc = self._call("GET", doc["poll"]).json()
+            if doc["state"] != "done":
+                raise ConfigError(f"the validation {doc['state']}: {doc['message']}")
+            r = self._call("GET", doc["download"])
         disposition = r.headers.get("content-disposition", "")
         name = disposition.split("filename=")[-1].strip('"') if "filename=" in disposition else ""
         return r.text, name or f"{study_id}-{fmt}.txt"
@@ -298,7 +310,7 @@ def cmd_cancel(ns: argparse.Namespace) -> int:
 
 def cmd_fetch_export(ns: argparse.Namespace) -> int:
     """Download an export of a study from the service."""
-    client = _client(ns, timeout_s=3600.0 if ns.validate else 120.0)
+    client = _client(ns, timeout_s=120.0)  # a validation is polled: no request waits on it
     text, name = client.export(
         ns.id,
         ns.format,

@@ -44,8 +44,17 @@ from optimizer.service.auth import DEFAULT_TEAM, Principal
 from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import is_secret, redact_job
 from optimizer.service.settings import ServiceSettings
-from optimizer.service.store import FINAL_STATES, JobRecord, JobStore
+from optimizer.service.store import (
+    FINAL_STATES,
+    OWNER_ATTR,
+    JobRecord,
+    JobStore,
+    belongs_to,
+    study_name_for,
+)
 from optimizer.service.submissions import Submission, safe_filename, save_upload
+from optimizer.service.validations import Validation, ValidationQueue
+from optimizer.text import escape_controls
 from optimizer.trial_view import TrialView, metric_names
 from search_spaces.schema import is_preset_name
 
@@ -125,6 +134,8 @@ class JobService:
             space or SLO is refused at once); raise ConfigError to refuse.
         validator: Re-validation for exports with ``validate=true``.
         clock: Epoch seconds.
+        validation_workers: Re-validations running at once, all teams together (one of a
+            team at a time: :class:`~optimizer.service.validations.ValidationQueue`).
     """
 
     def __init__(
@@ -136,6 +147,7 @@ class JobService:
         check_plan: Callable[[JobConfig, Path], None] | None = None,
         validator: Validator | None = None,
         clock: Callable[[], float] = time.time,
+        validation_workers: int = 2,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -152,6 +164,9 @@ class JobService:
         ]
         self._storages: dict[str, optuna.storages.BaseStorage] = {}
         self._storage_lock = threading.Lock()
+        self.validations = ValidationQueue(
+            self._run_validation, workers=validation_workers, clock=clock
+        )
 
     # --- submit --------------------------------------------------------------------------------
 
@@ -197,6 +212,9 @@ class JobService:
         team: str,
     ) -> tuple[JobRecord, list[str]]:
         security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
+        # One rule for every key and string of the job, before any of it is used or echoed
+        # (keys the service replaces, such as out or storage, included).
+        security.check_text(sub.job)
         doc = json.loads(json.dumps(sub.job, default=str))
         notes = self._store_upload(doc, sub, upload, upload_dir)
         notes += self._service_owned_keys(doc, job_id)
@@ -220,6 +238,9 @@ class JobService:
             not_before=_timestamp("not_before", sub.not_before),
             until=_timestamp("until", sub.until),
             owner=team,
+            # Never the job's name: another team's job of that name in a shared storage
+            # would be the same study.
+            study_name=study_name_for(team, job_id),
         )
         if rec.until is not None and rec.until <= now:
             raise ConfigError("until: the time window has already closed; give a later time")
@@ -264,7 +285,8 @@ class JobService:
         notes: list[str] = []
         out = self.data_dir / "studies" / job_id
         if isinstance(doc.get("out"), str):
-            notes.append(f"out: ignored ({doc['out']}); the service keeps studies in {out}")
+            given = escape_controls(doc["out"][:200])
+            notes.append(f"out: ignored ({given}); the service keeps studies in {out}")
         doc["out"] = str(out)
         if doc.get("ray_address"):
             notes.append("ray_address: ignored; studies run on the service's cluster")
@@ -515,6 +537,8 @@ class JobService:
     def study(self, rec: JobRecord) -> optuna.Study | None:
         """The job's Optuna study, or None before its driver created it.
 
+        The study is the one named :attr:`JobRecord.study_name` and marked as this job's
+        (:func:`~optimizer.service.store.belongs_to`): never another team's of the same name.
         The API never opens a storage its driver may still be initializing: two processes
         creating Optuna's schema at once make one of them fail. A storage is read once a
         driver has reported running (``storage_ready``), or when the job has ended.
@@ -526,13 +550,19 @@ class JobService:
         if not ready and not (rec.state in FINAL_STATES and rec.started_at is not None):
             return None
         try:
-            return optuna.load_study(study_name=rec.name, storage=self._storage(url))
+            study = optuna.load_study(study_name=rec.study_name, storage=self._storage(url))
         except KeyError:
             return None
         except Exception:
             if ready:
                 raise
             return None  # a job that failed while creating its storage
+        mark = study.user_attrs.get(OWNER_ATTR)
+        if not belongs_to(mark, team=rec.owner, job_id=rec.id, storage_url=url, out=rec.out):
+            # Never another job's study, whatever the storage holds under this name.
+            log.warning("job %s: the study %r in its storage is not its own", rec.id, rec.name)
+            return None
+        return study
 
     def detail(self, job_id: str, who: Principal | None = None) -> dict[str, Any]:
         """Status, progress, budget, trials and the front with the baseline and gains."""
@@ -658,7 +688,8 @@ class JobService:
         force: bool = False,
         who: Principal | None = None,
     ) -> ExportResult:
-        """The chosen configuration rendered for ``fmt``.
+        """The chosen configuration rendered for ``fmt``. With ``validate``, re-validated
+        here, blocking (the HTTP API queues it instead: :meth:`request_validation`).
 
         Raises:
             NotFound: No such job.
@@ -666,14 +697,22 @@ class JobService:
             SubmissionRefused: (409) The study has no measured trial yet, or re-validation
                 refused the export.
         """
+        rec = self.get(job_id, who)
+        return self._export(
+            rec, fmt, policy, trial, dict(weights or {}), validate=validate, runs=runs, force=force
+        )
+
+    def _choice(
+        self, rec: JobRecord, policy: str, trial: int | None, weights: Mapping[str, float]
+    ) -> tuple[optuna.Study, dict[str, Any], Any]:
+        """(study, saved plan, choice) of an export, refused now if it would be refused."""
         from optimizer import export as ex
 
-        rec = self.get(job_id, who)
         study = self.study(rec)
         plan_file = Path(rec.out) / "plan.json"
         if study is None or not plan_file.exists():
             raise SubmissionRefused(
-                f"study {job_id} has not started: nothing to export", status=409
+                f"study {rec.id} has not started: nothing to export", status=409
             )
         saved = json.loads(plan_file.read_text())
         choice = ex.choose(study, policy, trial_number=trial, weights=weights)
@@ -683,12 +722,31 @@ class JobService:
         security.check_engine_args(
             choice.chosen.engine_args, f"trial {choice.chosen.number}'s engine arguments"
         )
+        return study, saved, choice
+
+    @staticmethod
+    def _validatable(choice: Any) -> None:
+        if choice.baseline is None:
+            raise SubmissionRefused("the study has no baseline to validate against", status=409)
+        security.check_engine_args(choice.baseline.engine_args, "the baseline's engine arguments")
+
+    def _export(
+        self,
+        rec: JobRecord,
+        fmt: str,
+        policy: str,
+        trial: int | None,
+        weights: Mapping[str, float],
+        *,
+        validate: bool,
+        runs: int,
+        force: bool,
+    ) -> ExportResult:
+        from optimizer import export as ex
+
+        study, saved, choice = self._choice(rec, policy, trial, weights)
         if validate:
-            if choice.baseline is None:
-                raise SubmissionRefused("the study has no baseline to validate against", status=409)
-            security.check_engine_args(
-                choice.baseline.engine_args, "the baseline's engine arguments"
-            )
+            self._validatable(choice)
             gain, problems = self.validator(rec, study, choice, runs, force)
             if problems and not force:
                 raise SubmissionRefused(
@@ -712,6 +770,115 @@ class JobService:
         return ExportResult(
             text=text, filename=ex.default_filename(fmt), trial=choice.chosen.number, gain=gain
         )
+
+    # --- validations: exports re-measured off the request path ----------------------------------
+
+    def request_validation(
+        self,
+        job_id: str,
+        fmt: str,
+        policy: str = "max-throughput",
+        *,
+        trial: int | None = None,
+        weights: Mapping[str, float] | None = None,
+        runs: int = 3,
+        force: bool = False,
+        who: Principal | None = None,
+    ) -> dict[str, Any]:
+        """Queue a re-validated export (:mod:`optimizer.service.validations`); returns its
+        status at once (poll :meth:`validation`, then download :meth:`validation_export`).
+        What would refuse the export (no study yet, no baseline, a flag the service does
+        not accept) refuses it now.
+
+        Raises:
+            NotFound: No such job (or another team's).
+            ConfigError: Nothing exportable by this policy.
+            SubmissionRefused: (409) Not exportable; (429) the team's queue is full.
+        """
+        rec = self.get(job_id, who)
+        chosen_weights = dict(weights or {})
+        _study, _saved, choice = self._choice(rec, policy, trial, chosen_weights)
+        self._validatable(choice)
+        request = {
+            "fmt": fmt,
+            "policy": policy,
+            "trial": trial,
+            "weights": chosen_weights,
+            "runs": runs,
+            "force": force,
+        }
+        team = who.team if who is not None else rec.owner
+        return self._validation_doc(self.validations.submit(rec.id, team, request))
+
+    def _run_validation(self, item: Validation) -> ExportResult:
+        """The body of a queued validation (in its own thread)."""
+        req = item.request
+        return self._export(
+            self.store.get(item.job_id),
+            req["fmt"],
+            req["policy"],
+            req["trial"],
+            req["weights"],
+            validate=True,
+            runs=req["runs"],
+            force=req["force"],
+        )
+
+    def validation(
+        self, job_id: str, validation_id: str, who: Principal | None = None
+    ) -> dict[str, Any]:
+        """A validation's state (and, once done, the export's trial and gain).
+
+        Raises:
+            NotFound: No such job or validation (or another team's).
+        """
+        self.get(job_id, who)
+        return self._validation_doc(self.validations.get(validation_id, job_id))
+
+    def validation_export(
+        self, job_id: str, validation_id: str, who: Principal | None = None
+    ) -> ExportResult:
+        """The export of a validation that is done.
+
+        Raises:
+            NotFound: No such job or validation (or another team's).
+            SubmissionRefused: (409) Not done yet (poll it), refused or failed (its reason).
+        """
+        self.get(job_id, who)
+        item = self.validations.get(validation_id, job_id)
+        if item.state == "done":
+            result: ExportResult = item.result
+            return result
+        if item.state in ("queued", "running"):
+            raise SubmissionRefused(
+                f"validation {validation_id} is {item.state}: poll "
+                f"/v1/studies/{job_id}/validations/{validation_id} until it is done",
+                status=409,
+            )
+        raise SubmissionRefused(
+            f"validation {validation_id} {item.state}: {item.message}", status=409
+        )
+
+    @staticmethod
+    def _validation_doc(item: Validation) -> dict[str, Any]:
+        url = f"/v1/studies/{item.job_id}/validations/{item.id}"
+        doc: dict[str, Any] = {
+            "id": item.id,
+            "study": item.job_id,
+            "state": item.state,
+            "format": item.request["fmt"],
+            "policy": item.request["policy"],
+            "runs": item.request["runs"],
+            "submitted_at": _iso(item.submitted_at),
+            "started_at": _iso(item.started_at),
+            "finished_at": _iso(item.finished_at),
+            "message": item.message,
+            "poll": url,
+            "download": f"{url}/export" if item.state == "done" else None,
+        }
+        if item.result is not None:
+            doc.update(trial=item.result.trial, gain=item.result.gain)
+        return doc
 
     def health(self) -> dict[str, Any]:
         """Liveness of the store and the scheduler."""

@@ -13,17 +13,21 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
   draft model would be a path).
 - **Environment**: an allow-list (:data:`SERVICE_ENV`), each value of a checked shape (no
   paths).
-- **Documents**: :func:`parse_document` reads JSON or YAML without YAML aliases (nothing is
-  expanded), with bounded nesting, string size and container size; every error is a
-  :class:`~optimizer.errors.ConfigError` (422) that quotes none of the body.
+- **Documents**: :func:`parse_document` reads JSON or YAML of at most :data:`MAX_BODY_BYTES`
+  with its cost bounded during the parse (values counted before a JSON body is parsed and
+  while a YAML body's events are read, no YAML aliases: nothing is expanded, bounded
+  nesting), then bounded string and container sizes; every error is a
+  :class:`~optimizer.errors.ConfigError` (422, 413 above the size) that quotes none of the
+  body.
 - **Paths**: :func:`under` resolves a path (symlinks included) and says whether it lies under
   one of the operator's roots; it is asked before anything is read, so an answer never says
   whether a file outside the roots exists. :func:`is_hub_name` says whether a model name is a
   hub repository id (``ORG/NAME``), the only other kind of model the service may serve.
 - **Traces**: :func:`check_trace_size` counts a trace's rows (lines, decompressed) before it
   is parsed, against the operator's row limit.
-- **Text**: a stored job's strings are plain text (:func:`optimizer.text.tree_problem`), as
-  the job file's schema now requires of new ones.
+- **Text**: every key and string of a submitted job is plain text (:func:`check_text`, one
+  rule at submission, keys the service replaces and unknown keys included), and so are a
+  stored job's (:func:`check_stored_study`).
 - **Study folders**: the service marks each study folder it creates (:data:`STUDY_MARKER`);
   :func:`is_service_study` recognises one (marked, or laid out as the service lays them out),
   and :func:`check_stored_study` refuses what the service would, so ``vllm-autotune export``
@@ -52,6 +56,7 @@ from optimizer.errors import ConfigError, SubmissionRefused
 from optimizer.text import escape_controls, tree_problem
 
 __all__ = [
+    "MAX_BODY_BYTES",
     "MAX_CONTAINER_ITEMS",
     "MAX_DEPTH",
     "MAX_NODES",
@@ -63,6 +68,7 @@ __all__ = [
     "check_env",
     "check_space",
     "check_stored_study",
+    "check_text",
     "check_trace_size",
     "is_hub_name",
     "is_secret",
@@ -321,31 +327,20 @@ MAX_CONTAINER_ITEMS = 10_000
 MAX_NODES = 100_000
 
 
-class _Refused(yaml.YAMLError):
+#: Largest JSON or YAML body of a submission (the multipart ``job`` part too); a larger trace
+#: is sent as a multipart ``trace`` part, which streams to disk. With the node count below it
+#: bounds what parsing a body may cost (well under a second and 100 MiB).
+MAX_BODY_BYTES = 4 * 1024**2
+
+#: The loader of submitted YAML: libyaml's (C), else PyYAML's own. Either is a safe loader
+#: (no Python objects are built).
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+
+
+class _Refused(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-
-class _LimitedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without aliases (nothing is ever expanded) and with a depth cap."""
-
-    _depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-            raise _Refused(
-                f"YAML aliases (*name, <<: *name) are not accepted (line {mark.line + 1}): "
-                "write the values out"
-            )
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise _Refused(f"the document nests deeper than {MAX_DEPTH} levels")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
 
 
 def _yaml_position(exc: yaml.YAMLError) -> str:
@@ -353,8 +348,59 @@ def _yaml_position(exc: yaml.YAMLError) -> str:
     return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
 
 
+def _check_yaml_events(text: str) -> None:
+    """Walk the YAML parser's events (no document is built) and refuse, as soon as one is
+    met: an alias (nothing is ever expanded), nesting deeper than :data:`MAX_DEPTH`, or more
+    than :data:`MAX_NODES` values (and as many keys). The parse stops there: a body of a
+    million empty mappings costs the first 200,000 events, never the million objects."""
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=_YAML_LOADER):
+        if isinstance(event, yaml.AliasEvent):
+            mark = event.start_mark
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise _Refused(
+                f"YAML aliases (*name, <<: *name) are not accepted{where}: write the values out"
+            )
+        if isinstance(event, yaml.NodeEvent):  # scalars and the starts of collections
+            nodes += 1
+            if nodes > 2 * MAX_NODES:
+                raise _Refused(f"the document has more than {MAX_NODES} values")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _Refused(f"the document nests deeper than {MAX_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _check_json_size(data: bytes) -> None:
+    """At most :data:`MAX_NODES` values in a JSON body, counted before it is parsed: every
+    value but the first of a container follows a comma, so the values are at most the commas,
+    brackets and braces, plus one (those inside strings only make the count safe)."""
+    bound = data.count(b",") + data.count(b"[") + data.count(b"{") + 1
+    if bound > MAX_NODES:
+        raise _Refused(
+            f"the document has more than {MAX_NODES} values (counted as its commas, brackets "
+            "and braces)"
+        )
+
+
+def _load(text: str, data: bytes, json_body: bool) -> Any:
+    """The document, its cost bounded before (JSON) or while (YAML) it is parsed."""
+    if json_body:
+        _check_json_size(data)
+        return json.loads(text)
+    _check_yaml_events(text)
+    return yaml.load(text, Loader=_YAML_LOADER)  # a safe loader: no Python objects
+
+
 def parse_document(data: bytes, *, json_body: bool, exempt: Iterable[tuple[str, ...]] = ()) -> Any:
     """A JSON or YAML body -> its document, within the limits of this module.
+
+    What parsing may cost is bounded before anything is built: at most
+    :data:`MAX_BODY_BYTES`, at most :data:`MAX_NODES` values (counted before a JSON body is
+    parsed, while a YAML body's events are read), no YAML alias, no nesting deeper than
+    :data:`MAX_DEPTH`; then string and container sizes (:func:`check_limits`).
 
     Args:
         data: The body.
@@ -364,15 +410,21 @@ def parse_document(data: bytes, *, json_body: bool, exempt: Iterable[tuple[str, 
     Raises:
         ConfigError: Not UTF-8, not parseable, a YAML alias, or over a limit. The message gives
             a position at most, never the body's content.
+        SubmissionRefused: (413) More than :data:`MAX_BODY_BYTES`.
     """
     kind = "JSON" if json_body else "YAML"
+    if len(data) > MAX_BODY_BYTES:
+        raise SubmissionRefused(
+            f"the job body is larger than {MAX_BODY_BYTES} bytes: send a large trace as a "
+            "multipart `trace` part",
+            status=413,
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"the body is not UTF-8 text (byte {exc.start})") from None
     try:
-        # _LimitedLoader is a SafeLoader: no Python objects are built
-        doc = json.loads(text) if json_body else yaml.load(text, Loader=_LimitedLoader)
+        doc = _load(text, data, json_body)
     except _Refused as exc:
         raise ConfigError(f"the body is refused: {exc.message}") from None
     except json.JSONDecodeError as exc:
@@ -425,6 +477,21 @@ def check_limits(doc: Any, *, exempt: Iterable[tuple[str, ...]] = ()) -> None:
             if len(node) > MAX_CONTAINER_ITEMS:
                 raise ConfigError(f"{where[:200]}: more than {MAX_CONTAINER_ITEMS} items")
             stack.extend((value, (*path, str(i))) for i, value in enumerate(node))
+
+
+def check_text(job: Any) -> None:
+    """Every key and string of a submitted job is plain text (:mod:`optimizer.text`): the one
+    rule, applied at submission to the whole document, keys the service replaces (``out``,
+    ``storage``, ``ray_address``, ``mlflow.tracking_uri``) and unknown keys included, so no
+    answer, note or error ever carries one of its control characters. Free prose
+    (``description``) is exempt, as in the job file's schema.
+
+    Raises:
+        ConfigError: The first key or string that is not, by its key path (never quoted).
+    """
+    problem = tree_problem(job, "", skip=("description",))
+    if problem is not None:
+        raise ConfigError(f"invalid job: every key and string is plain text\n  {problem}")
 
 
 # --- paths ------------------------------------------------------------------------------------

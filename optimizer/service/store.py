@@ -16,7 +16,17 @@ import sqlalchemy as sa
 from optimizer.errors import NotFound
 from optimizer.service.auth import DEFAULT_TEAM
 
-__all__ = ["ACTIVE_STATES", "FINAL_STATES", "JobRecord", "JobStore"]
+__all__ = [
+    "ACTIVE_STATES",
+    "FINAL_STATES",
+    "OWNER_ATTR",
+    "JobRecord",
+    "JobStore",
+    "belongs_to",
+    "own_folder_storage",
+    "owner_mark",
+    "study_name_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,9 @@ class JobRecord:
         message: Last news (error, resume, reason of a final state).
         progress: The driver's last status report.
         owner: The team that submitted it.
+        study_name: The study's name in its Optuna storage (:func:`study_name_for`: the team
+            and the job id, never the job's name: two teams' jobs of one name in a shared
+            storage are two studies).
     """
 
     id: str
@@ -68,6 +81,45 @@ class JobRecord:
     message: str = ""
     progress: dict[str, Any] = field(default_factory=dict)
     owner: str = DEFAULT_TEAM
+    study_name: str = ""
+
+
+def study_name_for(team: str, job_id: str) -> str:
+    """The storage name of a job's study: ``TEAM/JOB_ID``. A job file's name cannot hold a
+    ``/``, so no study that ``tune`` creates in the same storage can take it."""
+    return f"{team}/{job_id}"
+
+
+#: The study user attribute that names the job (and team) a service study belongs to.
+OWNER_ATTR = "vllm_autotune_job"
+
+
+def owner_mark(team: str, job_id: str) -> dict[str, str]:
+    """The value of :data:`OWNER_ATTR` a job's driver writes on its study."""
+    return {"team": team, "job": job_id}
+
+
+def belongs_to(mark: Any, *, team: str, job_id: str, storage_url: str, out: str) -> bool:
+    """A study whose :data:`OWNER_ATTR` is ``mark`` is job ``job_id``'s of ``team``: marked
+    for them, or unmarked in the job's own folder's file (``out``: a study written before
+    the mark; no other job's study is in that file)."""
+    if mark is None:
+        return own_folder_storage(storage_url, out)
+    return bool(mark == owner_mark(team, job_id))
+
+
+def own_folder_storage(storage_url: str, out: str) -> bool:
+    """The storage is the study folder's own SQLite file (no other study is in it)."""
+    return storage_url == f"sqlite:///{Path(out) / 'study.db'}"
+
+
+def _legacy_study_name(m: Any) -> str:
+    """The storage name of a job stored before studies were named by id: its job name in its
+    own folder's file (the study it created); in a shared storage a new ``TEAM/JOB_ID``, since
+    a study there named like the job may be another team's (it is never read or resumed)."""
+    if own_folder_storage(m["storage_url"], m["out"]):
+        return str(m["name"])
+    return study_name_for(m["owner"] or DEFAULT_TEAM, m["id"])
 
 
 _meta = sa.MetaData()
@@ -92,6 +144,7 @@ _jobs = sa.Table(
     sa.Column("message", sa.Text, nullable=False, default=""),
     sa.Column("progress", sa.Text, nullable=False, default="{}"),
     sa.Column("owner", sa.String(64), nullable=False, default=DEFAULT_TEAM, index=True),
+    sa.Column("study_name", sa.String(200)),
 )
 
 
@@ -113,20 +166,20 @@ class JobStore:
             kwargs["pool_pre_ping"] = True
         self.engine = sa.create_engine(url, **kwargs)
         _meta.create_all(self.engine)
-        self._add_owner_column()
+        self._add_columns()
 
-    def _add_owner_column(self) -> None:
-        """A store written before studies had owners: its jobs belong to the default team."""
+    def _add_columns(self) -> None:
+        """A store written before studies had owners: its jobs belong to the default team;
+        before they had storage names: each job's is read as :func:`_legacy_study_name`."""
         columns = {c["name"] for c in sa.inspect(self.engine).get_columns(_jobs.name)}
-        if "owner" in columns:
-            return
-        with self.engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    f"ALTER TABLE {_jobs.name} ADD COLUMN owner VARCHAR(64) NOT NULL "
-                    f"DEFAULT '{DEFAULT_TEAM}'"
-                )
-            )
+        added = {
+            "owner": f"VARCHAR(64) NOT NULL DEFAULT '{DEFAULT_TEAM}'",
+            "study_name": "VARCHAR(200)",
+        }
+        for name, kind in added.items():
+            if name not in columns:
+                with self.engine.begin() as conn:
+                    conn.execute(sa.text(f"ALTER TABLE {_jobs.name} ADD COLUMN {name} {kind}"))
 
     @staticmethod
     def _record(row: Any) -> JobRecord:
@@ -150,10 +203,12 @@ class JobStore:
             message=m["message"] or "",
             progress=json.loads(m["progress"] or "{}"),
             owner=m["owner"] or DEFAULT_TEAM,
+            study_name=m["study_name"] or _legacy_study_name(m),
         )
 
     def add(self, rec: JobRecord) -> JobRecord:
-        """Insert a new job; returns it with its submission order."""
+        """Insert a new job; returns it with its submission order (and its storage name)."""
+        study_name = rec.study_name or study_name_for(rec.owner, rec.id)
         with self.engine.begin() as conn:
             result = conn.execute(
                 _jobs.insert().values(
@@ -172,12 +227,13 @@ class JobStore:
                     message=rec.message,
                     progress="{}",
                     owner=rec.owner,
+                    study_name=study_name,
                 )
             )
             pk = result.inserted_primary_key
             assert pk is not None
             seq = int(pk[0])
-        return replace(rec, seq=seq)
+        return replace(rec, seq=seq, study_name=study_name)
 
     def get(self, job_id: str) -> JobRecord:
         """One job.

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from optimizer.config import load_job
-from optimizer.errors import AutotuneError
+from optimizer.errors import AutotuneError, ConfigError
 from optimizer.service import security
-from optimizer.service.store import JobRecord
+from optimizer.service.auth import DEFAULT_TEAM
+from optimizer.service.store import OWNER_ATTR, JobRecord, belongs_to, owner_mark
 from search_spaces.schema import load_space
 
 __all__ = ["DriverLauncher", "DriverStatus", "RayDriverLauncher", "StudyHost"]
@@ -92,6 +93,9 @@ class StudyHost:
         mlflow: Log to MLflow when the job enables it.
         cpus_per_trial: CPU resources each trial actor asks for.
         cancel_requested: Start cancelled (a cancel that arrived while no driver existed).
+        study_name: The study's name in its storage (the job record's: team and job id;
+            None: the job's name, as a driver started before studies were named by id).
+        owner: The team whose job this is (the study is marked as this job's and team's).
     """
 
     def __init__(
@@ -103,8 +107,12 @@ class StudyHost:
         mlflow: bool = True,
         cpus_per_trial: float = 1.0,
         cancel_requested: bool = False,
+        study_name: str | None = None,
+        owner: str = DEFAULT_TEAM,
     ) -> None:
         self.job_id = job_id
+        self._study_name = study_name
+        self._owner = owner
         self._job = job
         self._base = base
         self._until = until
@@ -154,7 +162,7 @@ class StudyHost:
             security.check_stored_study(self._job)
             job, base = load_job(self._job, base=Path(self._base))
             security.check_space(load_space(job.search_space))
-            plan = prepare(job, base)
+            plan = prepare(job, base, study_name=self._study_name)
             security.mark_service_study(plan.out, self.job_id)  # a job queued before markers
             capacity = 1 if plan.context.cpu_build else job.parallel
             runner = ClusterLossGuard(
@@ -168,7 +176,13 @@ class StudyHost:
                     with contextlib.suppress(Exception):
                         tracker.on_event(ev)
 
-            driver = _create_driver(lambda: StudyDriver(plan, runner, on_event=on_event))
+            def make() -> Any:
+                _check_storage_name(plan, self.job_id, self._owner)
+                made = StudyDriver(plan, runner, on_event=on_event)
+                made.study.set_user_attr(OWNER_ATTR, owner_mark(self._owner, self.job_id))
+                return made
+
+            driver = _create_driver(make)
             if self._until is not None:
                 until = datetime.fromtimestamp(self._until)
                 driver.deadline = min(driver.deadline, until) if driver.deadline else until
@@ -236,6 +250,32 @@ class StudyHost:
         return os.getpid()
 
 
+def _check_storage_name(plan: Any, job_id: str, team: str) -> None:
+    """The study this driver will create or resume is this job's: absent from its storage,
+    or marked as this job's (:data:`~optimizer.service.store.OWNER_ATTR`), or unmarked in the
+    study folder's own file (a study written before the mark). Never another job's, another
+    team's included, whatever a shared storage holds under the name.
+
+    Raises:
+        ConfigError: The storage holds a study of this name that is not this job's.
+    """
+    from optimizer.study import create_storage
+
+    storage = create_storage(plan.storage_url)
+    try:
+        study_id = storage.get_study_id_from_name(plan.storage_name)
+    except KeyError:
+        return
+    mark = storage.get_study_user_attrs(study_id).get(OWNER_ATTR)
+    if belongs_to(mark, team=team, job_id=job_id, storage_url=plan.storage_url, out=str(plan.out)):
+        return
+    raise ConfigError(
+        f"job {job_id}: the study storage already holds a study named "
+        f"{plan.storage_name!r} that is not this job's; the service never writes into "
+        "another job's study (ask the operator to check the study storage)"
+    )
+
+
 def _create_driver(make: Callable[[], Any], attempts: int = 3) -> Any:
     """Create a StudyDriver, retrying when another process initializes the storage at once."""
     for attempt in range(attempts):
@@ -281,6 +321,8 @@ class RayDriverLauncher:
             self._mlflow,
             self._cpus,
             rec.cancel_requested,
+            rec.study_name or None,
+            rec.owner,
         )
 
     def poll(self, job_id: str) -> DriverStatus | None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optimizer.errors import ConfigError, SubmissionRefused
 from optimizer.service import security
+from optimizer.text import escape_controls
 
 __all__ = [
     "MAX_FILENAME",
@@ -77,7 +78,8 @@ def parse_submission(doc: Any) -> Submission:
         except ValidationError as exc:
             lines = ["invalid submission"]
             for err in exc.errors():
-                path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+                # a key is the submitter's text: one line, bounded, never raw
+                path = ".".join(escape_controls(str(p)[:80]) for p in err["loc"]) or "(top level)"
                 msg = err["msg"]
                 if err["type"] == "extra_forbidden":
                     msg = "unknown key; valid keys: job, not_before, until, trace_upload"

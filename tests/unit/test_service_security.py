@@ -466,7 +466,7 @@ def _service_folder(
         )
     )
     job = {**rec.job, "engine": {**rec.job["engine"], **engine}}
-    plan = {"study": rec.name, "storage": rec.storage_url, "trace": "t.csv", "job": job}
+    plan = {"study": rec.study_name, "storage": rec.storage_url, "trace": "t.csv", "job": job}
     (Path(rec.out) / "plan.json").write_text(json.dumps(plan))
     return Path(rec.out)
 
