@@ -16,11 +16,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -40,8 +41,10 @@ from optimizer.types import (
 )
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, run_replay
+from optimizer.workload.shaping import preroll_left_out, preroll_trace
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SERVER_METRICS",
@@ -191,14 +194,57 @@ def run_trial(
         inactive = memory_param_problem(spec.engine.args, account.kv_cache_gib if account else None)
         if inactive is not None:
             return _finish(spec, _inactive(spec, server, inactive))
+        spec, warm = bounded_preroll(spec, account, server.effective_config())
         if spec.capacity is not None:
             reporter.phase("capacity search")
-            return _finish(spec, _measure_capacity(spec, server, reporter, isolate_client))
-        reporter.phase("replaying")
-        return _finish(spec, _measure_replay(spec, server, reporter, isolate_client))
+            result = _measure_capacity(spec, server, reporter, isolate_client)
+        else:
+            reporter.phase("replaying")
+            result = _measure_replay(spec, server, reporter, isolate_client)
+        if warm and result.summary:
+            result = replace(result, summary={**result.summary, **warm})
+        return _finish(spec, result)
     finally:
         reporter.phase("stopping server")
         server.stop()
+
+
+def bounded_preroll(
+    spec: TrialSpec, account: MemoryAccount | None, effective: Mapping[str, str]
+) -> tuple[TrialSpec, dict[str, float]]:
+    """The trace's pre-roll as this server can use it, and what was changed (summary keys).
+
+    Prefix caching off: no pre-roll (the server would keep none of it;
+    ``preroll_skipped_no_prefix_cache``). Otherwise cut to the server's KV cache in tokens
+    (chains kept in the pre-roll's order: for the default pre-roll, what the window reuses
+    most), with ``preroll_chains_left_out`` / ``preroll_tokens_left_out`` when it does not fit.
+    """
+    trace = spec.trace
+    if not trace.preroll:
+        return spec, {}
+    caching = str(effective.get("enable_prefix_caching", "")).strip().lower()
+    if caching == "false":
+        logger.info("trial %d: prefix caching off, no pre-roll sent", spec.number)
+        return replace(spec, trace=replace(trace, preroll=())), {
+            "preroll_skipped_no_prefix_cache": 1.0
+        }
+    kv = account.kv_cache_tokens if account is not None else None
+    chains, tokens = preroll_left_out(trace, kv)
+    if not chains:
+        return spec, {}
+    logger.warning(
+        "trial %d: the pre-roll does not fit the server's KV cache (%s tokens): %d chains "
+        "(%d tokens) left out",
+        spec.number,
+        kv,
+        chains,
+        tokens,
+    )
+    warm = preroll_trace(trace, kv).requests
+    return replace(spec, trace=replace(trace, preroll=warm)), {
+        "preroll_chains_left_out": float(chains),
+        "preroll_tokens_left_out": float(tokens),
+    }
 
 
 def _inactive(spec: TrialSpec, server: Engine, problem: str) -> TrialResult:
@@ -304,6 +350,12 @@ def _measure_replay(
     # Requests an early stop never sent or cancelled are not the server's failures.
     measured = measured_records(replay.records) if stopped else list(replay.records)
     summary = dict(summarize(measured, slos=slos))
+    if replay.preroll_requests:  # the fidelity of a windowed replay: what warmed the cache
+        summary.update(
+            preroll_requests=float(replay.preroll_requests),
+            preroll_tokens=float(replay.preroll_tokens),
+            preroll_s=float(replay.preroll_s),
+        )
     common["records"] = replay.records
     try:
         server.check_alive()

@@ -236,6 +236,8 @@ class StepRunner:
                 "partial": stopped,
                 "preroll_requests": result.preroll_requests,
                 "preroll_failed": result.preroll_failed,
+                "preroll_tokens": result.preroll_tokens,
+                "preroll_s": result.preroll_s,
             },
         )
         if outcome.passed:

@@ -274,6 +274,8 @@ class ReplayResult:
         preroll_requests: Requests of the trace's pre-roll sent (and finished) before the
             trace's clock started; never in ``records``.
         preroll_failed: How many of them failed (a cache that is not as warm as meant).
+        preroll_tokens: Prompt tokens the pre-roll sent.
+        preroll_s: Seconds from its first send until its last request finished.
     """
 
     records: tuple[RequestRecord, ...]
@@ -289,6 +291,8 @@ class ReplayResult:
     retried: int = 0
     preroll_requests: int = 0
     preroll_failed: int = 0
+    preroll_tokens: int = 0
+    preroll_s: float = 0.0
 
     @property
     def failed(self) -> int:
@@ -846,7 +850,13 @@ async def replay(
         run.t0 = clock.now() if opts.start_at is None else opts.start_at
         stopped_early, stop_reason = await _run_until_stopped(run, clock, opts, stop_check)
     result = _result(run, clock, opts, stopped_early, stop_reason)
-    return dataclasses.replace(result, preroll_requests=warm[0], preroll_failed=warm[1])
+    return dataclasses.replace(
+        result,
+        preroll_requests=warm[0],
+        preroll_failed=warm[1],
+        preroll_tokens=warm[2],
+        preroll_s=warm[3],
+    )
 
 
 async def _preroll(
@@ -858,12 +868,13 @@ async def _preroll(
     seed: int,
     opts: ReplayOptions,
     transport: httpx.AsyncBaseTransport | None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int, float]:
     """Send the trace's pre-roll (:func:`~optimizer.workload.shaping.preroll_trace`), all at
-    once, and wait for every request of it; returns (requests, failed)."""
+    once, and wait for every request of it; returns (requests, failed, tokens, seconds)."""
     warm = preroll_trace(trace)
     if not warm.requests:
-        return 0, 0
+        return 0, 0, 0, 0.0
+    t0 = time.monotonic()
     result = await replay(
         warm,
         url,
@@ -888,7 +899,8 @@ async def _preroll(
             len(warm),
             next(r.error for r in result.records if r.error),
         )
-    return len(warm), result.failed
+    tokens = sum(r.input_tokens for r in warm.requests)
+    return len(warm), result.failed, tokens, round(time.monotonic() - t0, 3)
 
 
 def _schedule(trace: Trace, opts: ReplayOptions) -> list[float]:
@@ -1118,11 +1130,11 @@ def _preroll_first(
     vocab: TokenRange,
     seed: int,
     options: ReplayOptions | None,
-) -> tuple[Trace, tuple[int, int]]:
+) -> tuple[Trace, tuple[int, int, int, float]]:
     """A multi-process replay's pre-roll, sent once from here: the trace without it, and the
-    pre-roll's (requests, failed)."""
+    pre-roll's (requests, failed, tokens, seconds)."""
     if not trace.preroll:
-        return trace, (0, 0)
+        return trace, (0, 0, 0, 0.0)
     warm = asyncio.run(
         _preroll(
             trace,
@@ -1212,4 +1224,6 @@ def _run_in_processes(
         retried=sum(r.retried for r in results),
         preroll_requests=warm[0],
         preroll_failed=warm[1],
+        preroll_tokens=warm[2],
+        preroll_s=warm[3],
     )

@@ -46,6 +46,7 @@ __all__ = [
     "compress_time",
     "covering_preroll_s",
     "preroll",
+    "preroll_left_out",
     "preroll_trace",
     "scale_lengths",
     "scale_rate",
@@ -53,6 +54,7 @@ __all__ = [
     "spread_ticks",
     "subsample",
     "time_window",
+    "warm_set",
 ]
 
 _REPORTED = (
@@ -179,10 +181,11 @@ def preroll(
     on the wrong workload. The replay sends the pre-roll before the trace (prefix blocks only,
     one output token; :func:`preroll_trace`) and measures none of it.
 
-    Rule for the stretch: ``preroll_s`` seconds before the window when given (0: none);
-    None: just enough to cover the window's prefix references, i.e. back to the earliest of,
-    for each window request, the last arrival before the window of the longest prefix it
-    shares with a request before the window (0 when it shares none).
+    What is kept: ``preroll_s`` given: every request of the ``preroll_s`` seconds before the
+    window (0: none). None (the default): the window's warm set (:func:`warm_set`), one
+    prefill-only request per distinct prefix chain the window reuses from an earlier request,
+    however long ago it was sent. On a conversation trace the stretch that covers every
+    reference held 20x the window's requests (issue 34); the warm set sends what the window hits.
 
     Args:
         trace: The whole trace (before the window).
@@ -203,24 +206,87 @@ def preroll(
         f"trace.shaping.preroll_s must be >= 0 seconds (0: no pre-roll), got {preroll_s}",
     )
     window, _ = time_window(trace, start_s, end_s)
-    source = "given"
     if preroll_s is None:
-        preroll_s, source = (
-            covering_preroll_s(trace, start_s, end_s),
-            "covers the window's prefixes",
+        before = list(warm_set(trace, start_s, end_s))
+        covered = covering_preroll_s(trace, start_s, end_s)
+        what = (
+            f"{len(before)} prefix chains the window reuses from earlier requests "
+            f"({sum(r.input_tokens for r in before):,} tokens, one prefill-only request each; "
+            f"the stretch that holds them: {covered:g} s, "
+            f"{_count_between(trace, start_s - covered, start_s)} requests)"
         )
-    before = [
-        replace(r, arrival_s=r.arrival_s - start_s)
-        for r in trace.requests
-        if start_s - preroll_s <= r.arrival_s < start_s and preroll_s > 0
-    ]
+    else:
+        before = [
+            replace(r, arrival_s=r.arrival_s - start_s)
+            for r in trace.requests
+            if start_s - preroll_s <= r.arrival_s < start_s and preroll_s > 0
+        ]
+        what = f"{len(before)} requests of the {preroll_s:g} s before the window (given)"
     shaped = replace(window, preroll=tuple(before))
     detail = (
-        f"{len(before)} requests of the {preroll_s:g} s before the window ({source}) warm the "
-        f"prefix cache; the window's prefix reuse {prefix_reuse_ratio(window):.1%} cold, "
-        f"{prefix_reuse_ratio(window, before):.1%} after the pre-roll"
+        f"{what} warm the prefix cache; the window's prefix reuse "
+        f"{prefix_reuse_ratio(window):.1%} cold, {prefix_reuse_ratio(window, before):.1%} "
+        "after the pre-roll"
     )
     return shaped, _report("preroll", detail, len(before), window, shaped)
+
+
+def _count_between(trace: Trace, lo: float, hi: float) -> int:
+    return sum(1 for r in trace.requests if lo <= r.arrival_s < hi)
+
+
+def warm_set(trace: Trace, start_s: float, end_s: float | None) -> tuple[TraceRequest, ...]:
+    """What the window ``[start_s, end_s)`` hits of the prefix cache that the requests before
+    it left: one prefill-only request per distinct prefix chain.
+
+    For each window request, the longest run of its leading prefix blocks that a request
+    before the window also began with (whole prefixes, as prefix caches match) is a chain; its
+    tokens are the most any window request shares of it. A chain that another chain extends is
+    left out (sending the longer one caches it). The chains come in the order of the prompt
+    tokens the window reuses from each (most first, ties longest first): what a bounded cache
+    should keep (:func:`preroll_trace`'s ``max_tokens``). Each request's ``arrival_s`` is the
+    chain's last use before the window, relative to ``start_s`` (negative); it has one output
+    token and the session of the first window request that uses it. Requests of the window
+    that share nothing with earlier ones add nothing.
+    """
+    size = trace.block_size
+    children: dict[tuple[int, int], int] = {}
+    last_seen: dict[int, float] = {}
+    for r in trace.requests:
+        if r.arrival_s >= start_s:
+            break
+        node = 0
+        for block in r.prefix_blocks[: _block_count(r, size)]:
+            node = children.setdefault((node, block), len(children) + 1)
+            last_seen[node] = r.arrival_s
+    tokens: dict[tuple[int, ...], int] = {}  # chain -> the most tokens a window request shares
+    reused: dict[tuple[int, ...], int] = {}  # chain -> tokens the window reuses from it
+    ends: dict[tuple[int, ...], int] = {}  # chain -> its last trie node
+    session: dict[tuple[int, ...], str | None] = {}  # chain -> the first window session using it
+    for r in trace.requests:
+        if r.arrival_s < start_s or (end_s is not None and r.arrival_s >= end_s):
+            continue
+        blocks = r.prefix_blocks[: _block_count(r, size)]
+        node, depth = 0, 0
+        for block in blocks:
+            child = children.get((node, block))
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if not depth:
+            continue
+        chain = tuple(blocks[:depth])
+        shared = min(depth * size, r.input_tokens)
+        tokens[chain] = max(tokens.get(chain, 0), shared)
+        reused[chain] = reused.get(chain, 0) + shared
+        ends[chain] = node
+        session.setdefault(chain, r.session_id)
+    inner = {chain[:i] for chain in tokens for i in range(1, len(chain))}
+    kept = [c for c in tokens if c not in inner]
+    kept.sort(key=lambda c: (-reused[c], -tokens[c]))
+    return tuple(
+        TraceRequest(last_seen[ends[c]] - start_s, tokens[c], 1, c, session[c]) for c in kept
+    )
 
 
 def covering_preroll_s(trace: Trace, start_s: float, end_s: float | None) -> float:
@@ -256,17 +322,21 @@ def _block_count(request: TraceRequest, block_size: int) -> int:
     return min(len(request.prefix_blocks), -(-request.input_tokens // block_size))
 
 
-def preroll_trace(trace: Trace) -> Trace:
+def preroll_trace(trace: Trace, max_tokens: int | None = None) -> Trace:
     """What a replay sends to warm the prefix cache for ``trace``: a trace of its pre-roll.
 
     Each pre-roll request becomes a prompt of its prefix blocks only (the tokens of a block
     depend on the block id and the replay's seed alone, so they are the tokens the trace's
-    requests will send), one output token, all arriving at 0 s in pre-roll order. A chain of
+    requests will send), one output token, all arriving at 0 s, longest first. A chain of
     blocks that another pre-roll request extends is left out (sending the longer one caches
-    it), as are requests without prefix blocks.
+    it), as are requests without prefix blocks. With ``max_tokens`` (the server's KV cache, in
+    tokens), chains are kept in the pre-roll's order (for the default pre-roll, what the window
+    reuses most: :func:`warm_set`) while they fit; the rest is left out, and
+    :func:`preroll_left_out` says how much.
 
     Args:
         trace: A trace with a pre-roll (an empty one gives an empty trace).
+        max_tokens: Send at most this many prompt tokens (None: all).
 
     Returns:
         The warm-up trace (no pre-roll of its own).
@@ -289,7 +359,36 @@ def preroll_trace(trace: Trace) -> Trace:
             kept = TraceRequest(0.0, tokens, 1, blocks, r.session_id)
         ends[node] = kept
     warm = [r for node, r in ends.items() if node not in extended]
+    if max_tokens is not None:
+        fits, total = [], 0
+        for r in _in_preroll_order(trace.preroll, warm):
+            if total + r.input_tokens <= max_tokens:
+                fits.append(r)
+                total += r.input_tokens
+        warm = fits
+    warm.sort(key=lambda r: -r.input_tokens)
     return Trace(requests=tuple(warm), block_size=size, source=f"pre-roll of {trace.source}")
+
+
+def _in_preroll_order(
+    preroll: tuple[TraceRequest, ...], warm: list[TraceRequest]
+) -> list[TraceRequest]:
+    """``warm`` in the order its chains first appear in ``preroll`` (the priority given)."""
+    rank: dict[tuple[int, ...], int] = {}
+    for i, r in enumerate(preroll):
+        rank.setdefault(tuple(r.prefix_blocks), i)
+    return sorted(warm, key=lambda r: rank.get(tuple(r.prefix_blocks), len(rank)))
+
+
+def preroll_left_out(trace: Trace, max_tokens: int | None) -> tuple[int, int]:
+    """(chains, tokens) of ``trace``'s pre-roll that ``max_tokens`` leaves out (0, 0: none)."""
+    whole = preroll_trace(trace)
+    if max_tokens is None:
+        return 0, 0
+    sent = preroll_trace(trace, max_tokens)
+    return len(whole) - len(sent), sum(r.input_tokens for r in whole.requests) - sum(
+        r.input_tokens for r in sent.requests
+    )
 
 
 def spread_ticks(

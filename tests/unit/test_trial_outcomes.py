@@ -146,3 +146,26 @@ def test_a_kv_cache_size_the_engine_did_not_take_is_flagged_not_measured(tmp_pat
     acted = FakeEngine(memory=MemoryAccount(kv_cache_gib=0.06, kv_cache_tokens=16_384))
     result = trial_mod.run_trial(replace(spec, workdir=str(tmp_path / "t2")), engine=acted)
     assert result.status is TrialStatus.COMPLETE, result.message
+
+
+def test_the_preroll_is_skipped_without_prefix_caching_and_cut_to_the_kv_cache(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import replace
+
+    from optimizer.types import MemoryAccount
+
+    spec = _spec(tmp_path)
+    chains = (
+        TraceRequest(-5.0, 64, 1, (1, 2, 3, 4)),
+        TraceRequest(-4.0, 48, 1, (9, 10, 11)),
+    )
+    spec = replace(spec, trace=replace(spec.trace, block_size=16, preroll=chains))
+    off, note = trial_mod.bounded_preroll(spec, None, {"enable_prefix_caching": "False"})
+    assert off.trace.preroll == () and note == {"preroll_skipped_no_prefix_cache": 1.0}
+    same, note = trial_mod.bounded_preroll(spec, MemoryAccount(kv_cache_tokens=10**6), {})
+    assert same is spec and note == {}
+    cut, note = trial_mod.bounded_preroll(spec, MemoryAccount(kv_cache_tokens=100), {})
+    assert [r.prefix_blocks for r in cut.trace.preroll] == [(1, 2, 3, 4)]
+    assert note == {"preroll_chains_left_out": 1.0, "preroll_tokens_left_out": 48.0}
+    assert cut.trace.requests == spec.trace.requests

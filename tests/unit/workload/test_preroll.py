@@ -24,8 +24,10 @@ from optimizer.workload.shaping import (
     ShapeSpec,
     covering_preroll_s,
     preroll,
+    preroll_left_out,
     preroll_trace,
     shape,
+    warm_set,
 )
 from optimizer.workload.stats import inspect_trace, prefix_reuse_ratio
 
@@ -70,7 +72,7 @@ def test_the_window_sees_its_prefix_reuse_only_with_the_preroll() -> None:
     # sees inside the whole trace.
     assert warm == pytest.approx(reuse_with_full_history(trace, 60.0, 90.0))
     assert report.changed_requests == len(shaped.preroll) == report.after["preroll_requests"]
-    assert "covers the window's prefixes" in report.detail
+    assert "prefix chains the window reuses from earlier requests" in report.detail
     assert f"{cold:.1%} cold, {warm:.1%} after the pre-roll" in report.detail
     assert "prefix_reuse_ratio_warm: " in report.summary()
     # Pre-roll arrivals are relative to the window's start; the window's own are untouched.
@@ -141,10 +143,10 @@ def test_the_warm_up_trace_sends_prefix_blocks_only_and_each_chain_once() -> Non
     warm = preroll_trace(trace)
     assert warm.preroll == ()
     assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in warm.requests] == [
+        (0.0, 4 * BLOCK, 1),  # longest first
         (0.0, BLOCK + 3, 1),
-        (0.0, 4 * BLOCK, 1),
     ]
-    assert [r.prefix_blocks for r in warm.requests] == [(9, 8), (1, 2, 3, 4)]
+    assert [r.prefix_blocks for r in warm.requests] == [(1, 2, 3, 4), (9, 8)]
 
 
 class Recorder:
@@ -221,3 +223,61 @@ def test_the_job_file_key_is_checked_and_reaches_the_shaping() -> None:
     assert shaped.preroll
     off = ShapingSection(window_s=(60.0, 90.0), preroll_s=0)
     assert shape(conversations(), ShapeSpec(**off.model_dump()))[0].preroll == ()
+
+
+def test_the_default_preroll_is_what_the_window_hits_not_the_stretch_before_it() -> None:
+    # Issue 34: 612 s of a conversation trace (2,108 requests, 25 M tokens) stood before a 104-
+    # request window. Here: 40 sessions that never reach the window fill the stretch that the
+    # window's oldest reference reaches back over.
+    base = conversations()
+    idle = [
+        TraceRequest(31.0 + 0.5 * i, 3 * BLOCK, 4, (5000 + i, 6000 + i, 7000 + i), f"idle{i}")
+        for i in range(40)
+    ]
+    trace = Trace(
+        tuple(sorted((*base.requests, *idle), key=lambda r: r.arrival_s)), block_size=BLOCK
+    )
+    shaped, report = preroll(trace, 60.0, 90.0)
+    stretch, _ = preroll(trace, 60.0, 90.0, preroll_s=covering_preroll_s(trace, 60.0, 90.0))
+    assert len(stretch.preroll) > 40 > len(shaped.preroll)  # 9 chains, not 49 requests
+    assert not any(r.session_id.startswith("idle") for r in shaped.preroll)  # type: ignore[union-attr]
+    # ... and it warms exactly as much as the whole history does.
+    warm = report.after["prefix_reuse_ratio_warm"]
+    assert warm == pytest.approx(reuse_with_full_history(trace, 60.0, 90.0))
+    # One request per distinct chain: no chain is the start of another kept one.
+    chains = [r.prefix_blocks for r in shaped.preroll]
+    assert len(set(chains)) == len(chains)
+    assert not any(a != b and b[: len(a)] == a for a in chains for b in chains)
+    # Prefill only: one output token, at most the tokens a window request shares.
+    assert all(r.output_tokens == 1 for r in shaped.preroll)
+    assert sum(r.input_tokens for r in shaped.preroll) < sum(
+        r.input_tokens for r in stretch.preroll
+    )
+    assert "9 prefix chains the window reuses" in report.detail and "49 requests" in report.detail
+
+
+def test_a_preroll_larger_than_the_kv_cache_keeps_what_the_window_reuses_most() -> None:
+    window = (
+        TraceRequest(0.0, 4 * BLOCK, 2, (1, 2, 3, 4)),
+        TraceRequest(1.0, 4 * BLOCK, 2, (1, 2, 3, 4)),
+        TraceRequest(2.0, 2 * BLOCK, 2, (7, 8)),
+        TraceRequest(3.0, 3 * BLOCK, 2, (9, 10, 11)),
+    )
+    before = (
+        TraceRequest(0.0, 4 * BLOCK, 2, (1, 2, 3, 4)),
+        TraceRequest(1.0, 2 * BLOCK, 2, (7, 8)),
+        TraceRequest(2.0, 3 * BLOCK, 2, (9, 10, 11)),
+    )
+    trace = Trace(
+        (*before, *(replace(r, arrival_s=r.arrival_s + 10) for r in window)), block_size=BLOCK
+    )
+    chains = warm_set(trace, 10.0, None)
+    # Chain (1,2,3,4) is reused twice (128 tokens), (9,10,11) 48, (7,8) 32.
+    assert [c.prefix_blocks for c in chains] == [(1, 2, 3, 4), (9, 10, 11), (7, 8)]
+    shaped = Trace(window, block_size=BLOCK, preroll=chains)
+    assert preroll_left_out(shaped, None) == (0, 0)
+    assert preroll_left_out(shaped, 10**6) == (0, 0)
+    # Room for 100 tokens: the 64-token chain and the 32-token one fit, the 48-token one not.
+    sent = preroll_trace(shaped, max_tokens=100)
+    assert [r.prefix_blocks for r in sent.requests] == [(1, 2, 3, 4), (7, 8)]
+    assert preroll_left_out(shaped, 100) == (1, 3 * BLOCK)
