@@ -14,8 +14,14 @@ capacity with its bracket, the steps, the nominal P95 TTFT and the server's pref
 rate over the whole trial (its ``vllm:prefix_cache_hits/queries`` counters: warm-up,
 pre-rolls and steps together).
 
+``--compare preroll`` (issue 34) runs three trials with prefix caching on instead: no pre-roll
+(cold), the stretch back to the window's oldest prefix reference (the default until issue 34:
+every request of it), and the window's warm set (today's default: one prefill-only request per
+prefix chain the window reuses), with the pre-roll's prompt tokens and seconds per step beside
+the rest.
+
 Usage:
-    python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml \
+    python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml [--compare preroll] \
         [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500] [--max-scale 256]
         [--ttft-slo-ms 500]
         [--out runs/preroll-benchmark]
@@ -40,6 +46,7 @@ from optimizer.study import prepare
 from optimizer.trial import run_trial
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.formats import write_trace
+from optimizer.workload.shaping import ShapeSpec, covering_preroll_s, shape
 from optimizer.workload.stats import prefix_reuse_ratio
 
 BLOCK = 64
@@ -138,6 +145,13 @@ def main() -> int:
     ap.add_argument(
         "--ttft-slo-ms", type=float, default=None, help="replace the job's P95 TTFT SLO"
     )
+    ap.add_argument(
+        "--compare",
+        choices=["caching", "preroll"],
+        default="caching",
+        help="caching: prefix caching on/off x pre-roll on/off; preroll: cold / the stretch / "
+        "the warm set, caching on",
+    )
     ns = ap.parse_args()
     out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
@@ -162,26 +176,29 @@ def main() -> int:
         print(line)
     args = {**plan.baseline_args, **(json.loads(ns.args) if ns.args else {})}
     rows = []
-    for i, (caching, preroll) in enumerate(
-        [(True, True), (True, False), (False, True), (False, False)]
-    ):
+    for i, (caching, label, warm) in enumerate(_runs(ns.compare, plan.trace, (start, end))):
+        preroll = bool(warm)
         spec = plan.trial_spec(
             i,
             {**args, "enable-prefix-caching": caching},
             workdir=out / f"trial-{i}",
             seed=810_000 + i,
         )
-        if not preroll:
-            spec = replace(spec, trace=replace(spec.trace, preroll=()))
+        spec = replace(spec, trace=replace(spec.trace, preroll=warm))
         t0 = time.monotonic()
         result = run_trial(spec)
         cap = dict(result.capacity or {})
         metrics = result.server_metrics or {}
         queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
+        steps = list(cap.get("steps") or [])
         rows.append(
             {
                 "prefix_caching": caching,
                 "preroll": preroll,
+                "preroll_kind": label,
+                "preroll_tokens_per_step": _mean(steps, "preroll_tokens"),
+                "preroll_s_per_step": _mean(steps, "preroll_s"),
+                "replay_s_per_step": _mean(steps, "replay_s"),
                 "preroll_requests": len(spec.trace.preroll),
                 "window_reuse": prefix_reuse_ratio(spec.trace, spec.trace.preroll),
                 "status": result.status.value,
@@ -202,6 +219,33 @@ def main() -> int:
     return 0
 
 
+def _runs(
+    compare: str, trace: Trace, window: tuple[float, float]
+) -> list[tuple[bool, str, tuple[TraceRequest, ...]]]:
+    """(prefix caching, pre-roll label, pre-roll requests) of each trial."""
+    if compare == "caching":
+        warm = trace.preroll
+        return [
+            (True, "default", warm),
+            (True, "none", ()),
+            (False, "default", warm),
+            (False, "none", ()),
+        ]
+    whole = conversations()
+    covered = covering_preroll_s(whole, *window)
+    stretch, _ = shape(whole, ShapeSpec(window_s=window, preroll_s=covered, max_model_len=2048))
+    return [
+        (True, "none (cold)", ()),
+        (True, f"the {covered:.0f} s stretch", stretch.preroll),
+        (True, "warm set", trace.preroll),
+    ]
+
+
+def _mean(steps: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(s[key]) for s in steps if isinstance(s.get(key), int | float)]
+    return sum(values) / len(values) if values else None
+
+
 def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: Path) -> None:
     cold = prefix_reuse_ratio(trace)
     warm = prefix_reuse_ratio(trace, trace.preroll)
@@ -212,6 +256,8 @@ def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: 
     for col in (
         "prefix caching",
         "pre-roll",
+        "pre-roll tokens / step",
+        "pre-roll s / step",
         "window reuse",
         "capacity req/s",
         "bracket req/s",
@@ -225,7 +271,9 @@ def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: 
         hi = r["rps_hi"]
         table.add_row(
             "on" if r["prefix_caching"] else "off",
-            f"{r['preroll_requests']} requests" if r["preroll"] else "none",
+            f"{r['preroll_kind']}: {r['preroll_requests']} requests" if r["preroll"] else "none",
+            "-" if r["preroll_tokens_per_step"] is None else f"{r['preroll_tokens_per_step']:,.0f}",
+            "-" if r["preroll_s_per_step"] is None else f"{r['preroll_s_per_step']:.2f}",
             f"{r['window_reuse']:.0%}",
             "-" if r["capacity_rps"] is None else f"{r['capacity_rps']:.3g}",
             "-"

@@ -18,3 +18,20 @@ def test_each_turn_extends_the_previous_turn_s_prompt() -> None:
             assert r.prefix_blocks[: len(full)] == full
         last[r.session_id or ""] = r.prefix_blocks
     assert len(last) > 50
+
+
+def test_the_preroll_comparison_runs_cold_the_stretch_and_the_warm_set() -> None:
+    from benchmarks.preroll_benchmark import _runs
+    from optimizer.workload.shaping import ShapeSpec, shape
+
+    window = (270.0, 300.0)
+    trace, _ = shape(conversations(), ShapeSpec(window_s=window, max_model_len=2048))
+    runs = _runs("preroll", trace, window)
+    assert [(caching, bool(warm)) for caching, _, warm in runs] == [
+        (True, False),
+        (True, True),
+        (True, True),
+    ]
+    stretch, warm_set = runs[1][2], runs[2][2]
+    assert warm_set == trace.preroll and len(stretch) > len(warm_set) > 0
+    assert [label for _, label, _ in _runs("caching", trace, window)].count("none") == 2
