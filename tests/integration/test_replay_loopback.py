@@ -49,8 +49,9 @@ def test_200_requests_at_50_per_second(fake_server_url: str) -> None:
     assert sum(r.warmup for r in result.records) == 10
     # Loose bound: a 2-core CI box shares its cores with the server.
     print(f"p99 send lag {result.p99_send_lag_ms:.2f} ms, max {result.max_send_lag_ms:.2f} ms")
-    assert result.p99_send_lag_ms < 50.0
-    assert result.duration_s == pytest.approx(199 / rate_rps, abs=1.0)
+    # A bound that holds on a busy machine: a client that lost the schedule lags by seconds.
+    assert result.p99_send_lag_ms < 250.0
+    assert result.duration_s == pytest.approx(199 / rate_rps, abs=2.0)
 
 
 def test_unreachable_server_is_recorded_not_raised() -> None:

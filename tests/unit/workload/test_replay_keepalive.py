@@ -126,7 +126,8 @@ def test_keepalive_race_no_spurious_failures_after_the_fix(
     # The retried requests keep their first send time (their bytes reached the server's
     # socket on schedule): the stall shows in their TTFT, not as client send lag.
     for record in result.records[N1:]:
-        assert record.sent_s - record.scheduled_s < 0.1
+        # (a send time taken at the retry would be a second late: the stall)
+        assert record.sent_s - record.scheduled_s < 0.5
         assert record.first_token_s is not None and record.first_token_s - record.sent_s > 0.9
 
 

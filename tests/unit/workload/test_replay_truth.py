@@ -136,14 +136,20 @@ def test_send_lag_is_what_the_server_sees(timed_server: str) -> None:
     result = asyncio.run(go())
     assert all(r.ok for r in result.records)
     lags = [r.sent_s - r.scheduled_s for r in result.records]
-    assert all(lag >= 0.15 for lag in lags[1::2]) and all(lag < 0.05 for lag in lags[::2])
+    # Held requests are late by the hold at least, on any machine; the others, whatever a busy
+    # machine adds to both, by less than the held ones (bounds, not timings: CI shares 2 cores).
+    held, free = lags[1::2], lags[::2]
+    assert all(lag >= 0.15 for lag in held)
+    assert float(np.median(free)) < min(held)
     assert result.p99_send_lag_ms >= 150 and not result.schedule_kept
     # The server's arrival log agrees with the recorded send times (same monotonic clock).
     with urllib.request.urlopen(timed_server + "/arrivals", timeout=10) as response:
         arrivals = sorted(json.loads(response.read()))
     sent = [r.sent_s for r in result.records]
+    # A send time taken before the hold would be off by 150 ms; a busy machine's thread
+    # scheduling may add some tens of ms to either side.
     for arrival, sent_s in zip(arrivals, sent, strict=True):
-        assert (arrival - arrivals[0]) - (sent_s - sent[0]) == pytest.approx(0.0, abs=0.005)
+        assert (arrival - arrivals[0]) - (sent_s - sent[0]) == pytest.approx(0.0, abs=0.06)
 
 
 def test_several_client_processes_replay_one_schedule(timed_server: str) -> None:
@@ -167,9 +173,10 @@ def test_several_client_processes_replay_one_schedule(timed_server: str) -> None
     assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
     assert [r.warmup for r in result.records] == [True] * 3 + [False] * 17
     assert [r.scheduled_s for r in result.records] == pytest.approx([i * 0.05 for i in range(20)])
-    assert result.p99_send_lag_ms < 50
-    # One schedule: the server saw the requests 50 ms apart, in order, from both processes.
+    # One schedule: the server saw the requests about 50 ms apart from both processes (two
+    # unsynchronised schedules would put pairs ~0 ms apart: a median gap near 25 ms or less).
     with urllib.request.urlopen(timed_server + "/arrivals", timeout=10) as response:
         arrivals = sorted(json.loads(response.read()))
     gaps = np.diff(arrivals)
-    assert len(arrivals) == 20 and np.median(gaps) == pytest.approx(0.05, abs=0.005)
+    assert len(arrivals) == 20 and np.median(gaps) == pytest.approx(0.05, abs=0.02)
+    assert arrivals[-1] - arrivals[0] >= 19 * 0.05 - 0.05
