@@ -252,13 +252,15 @@ def warm_set(trace: Trace, start_s: float, end_s: float | None) -> tuple[TraceRe
     size = trace.block_size
     children: dict[tuple[int, int], int] = {}
     last_seen: dict[int, float] = {}
+    held: dict[int, int] = {}  # node -> the most prompt tokens an earlier request had through it
     for r in trace.requests:
         if r.arrival_s >= start_s:
             break
         node = 0
-        for block in r.prefix_blocks[: _block_count(r, size)]:
+        for depth, block in enumerate(r.prefix_blocks[: _block_count(r, size)], start=1):
             node = children.setdefault((node, block), len(children) + 1)
             last_seen[node] = r.arrival_s
+            held[node] = max(held.get(node, 0), min(depth * size, r.input_tokens))
     tokens: dict[tuple[int, ...], int] = {}  # chain -> the most tokens a window request shares
     reused: dict[tuple[int, ...], int] = {}  # chain -> tokens the window reuses from it
     ends: dict[tuple[int, ...], int] = {}  # chain -> its last trie node
@@ -276,7 +278,7 @@ def warm_set(trace: Trace, start_s: float, end_s: float | None) -> tuple[TraceRe
         if not depth:
             continue
         chain = tuple(blocks[:depth])
-        shared = min(depth * size, r.input_tokens)
+        shared = min(depth * size, r.input_tokens, held[node])
         tokens[chain] = max(tokens.get(chain, 0), shared)
         reused[chain] = reused.get(chain, 0) + shared
         ends[chain] = node

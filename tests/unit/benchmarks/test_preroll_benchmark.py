@@ -35,3 +35,13 @@ def test_the_preroll_comparison_runs_cold_the_stretch_and_the_warm_set() -> None
     stretch, warm_set = runs[1][2], runs[2][2]
     assert warm_set == trace.preroll and len(stretch) > len(warm_set) > 0
     assert [label for _, label, _ in _runs("caching", trace, window)].count("none") == 2
+
+
+def test_the_offline_comparison_sends_less_for_the_same_reuse() -> None:
+    from benchmarks.preroll_offline import rows
+
+    cold, stretch, warm = rows(conversations(), 270.0, 300.0)
+    assert cold["requests_sent"] == 0 and cold["window_reuse"] < warm["window_reuse"]
+    assert warm["tokens_sent"] < stretch["tokens_sent"]
+    assert warm["requests_sent"] < stretch["requests_sent"]
+    assert warm["window_reuse"] >= stretch["window_reuse"]
