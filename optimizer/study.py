@@ -271,12 +271,8 @@ def _validate_flags(
             validate_engine_args({flag: value}, flags)
 
 
-def prepare(
-    job: JobConfig, base: Path, *, check_flags: bool = True, study_name: str | None = None
-) -> StudyPlan:
+def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
     """Validate a job completely and build its plan; nothing is started.
-
-    ``study_name`` names the study in its storage (default: the job's name).
 
     Raises:
         ConfigError: Anything wrong with the job, its trace, its space or its flags.
@@ -353,7 +349,6 @@ def prepare(
         warm_start=tuple(warm),
         priors=priors,
         notes=tuple(warm_notes),
-        study_name=study_name or "",
     )
 
 

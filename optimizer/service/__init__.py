@@ -6,9 +6,11 @@ One room per job (import the module you need; this package imports nothing):
 - :mod:`.security`: the policy (flag and environment allow-lists, bounded parsing, path roots,
   the one redaction rule) and :mod:`.auth`: team tokens;
 - :mod:`.settings`: the service's settings and token loading;
-- :mod:`.store`: the job store (SQL), the source of truth for every job's state;
+- :mod:`.store`: the job store (SQL), the source of truth for every job's state, and each
+  job's study name in its Optuna storage (team and job id);
 - :mod:`.scheduler`: first in, first out, a number of studies at once;
 - :mod:`.study_host`: a study's driver, hosted in a detached Ray actor;
+- :mod:`.validations`: re-validated exports as jobs of their own, queued per team;
 - :mod:`.facade`: everything the API does, without HTTP (submit, show, cancel, export);
 - :mod:`.api`: the HTTP API and its Ray Serve deployment;
 - :mod:`.client`: the commands (``serve``, ``token``) and a thin HTTP client (``submit``, ...).

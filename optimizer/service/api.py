@@ -6,11 +6,15 @@ Serve deployment whose single replica also runs the
 :class:`~optimizer.service.scheduler.Scheduler` thread, and :func:`run_service` starts it on a
 cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
 the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
-(413 above it); a multipart body is parsed as it streams in, its trace part spooled to disk in
-a worker thread (never the whole body in memory, never a long stretch of work on the event
-loop). Errors map to statuses in one place: an invalid job is 422 with the job file
-loader's message (the key's path and the fix), a file outside the allowed roots 403, an unknown
-id 404, a conflict with the study's state 409.
+(413 above it; a JSON or YAML job body, and a multipart `job` part, at most
+:data:`~optimizer.service.security.MAX_BODY_BYTES`, its parse bounded); a multipart body is
+parsed as it streams in, its trace part spooled to disk in a worker thread (never the whole
+body in memory, never a long stretch of work on the event loop). A re-validated export is a
+validation queued off the request path (202, then polled:
+:mod:`optimizer.service.validations`). Errors map to statuses in one place: an invalid job is
+422 with the job file loader's message (the key's path and the fix), a file outside the
+allowed roots 403, an unknown id 404, a conflict with the study's state 409, a team's full
+validation queue 429.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ class ServiceSettings:
         max_concurrent: Studies running at once (None: 1 on a cluster without GPUs, else the
             number of GPUs).
         max_upload_bytes: Largest request body accepted (413 above); an uploaded trace, once
-            decompressed, too.
+            decompressed, too. A JSON or YAML body (and a multipart ``job`` part) is at most
+            :data:`~optimizer.service.security.MAX_BODY_BYTES` besides.
         max_trace_rows: Most rows a job's trace may hold (uploaded or under a trace root),
             counted before it is parsed (422 above).
         study_storage: Optuna storage URL for jobs that set none (None: SQLite per study).

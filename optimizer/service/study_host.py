@@ -7,6 +7,7 @@ so a restarted API finds its drivers by name; a trial lost with the cluster is n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import threading
@@ -162,7 +163,8 @@ class StudyHost:
             security.check_stored_study(self._job)
             job, base = load_job(self._job, base=Path(self._base))
             security.check_space(load_space(job.search_space))
-            plan = prepare(job, base, study_name=self._study_name)
+            # named by team and job id in the storage, not by the job's name (issue 33)
+            plan = dataclasses.replace(prepare(job, base), study_name=self._study_name or "")
             security.mark_service_study(plan.out, self.job_id)  # a job queued before markers
             capacity = 1 if plan.context.cpu_build else job.parallel
             runner = ClusterLossGuard(

@@ -266,10 +266,11 @@ def test_studies_run_resume_after_restart_cancel_and_export(
     )
     assert done["state"] == "done", done
     assert done["driver_starts"] == 2 and "resumed" in done["message"]
-    storage = optuna.storages.RDBStorage(
-        f"sqlite:///{service.settings.data_dir}/studies/{first}/study.db"
-    )
-    trials = optuna.load_study(study_name="svc-first", storage=storage).get_trials()
+    folder = Path(service.settings.data_dir) / "studies" / first
+    storage = optuna.storages.RDBStorage(f"sqlite:///{folder}/study.db")
+    # named by its team and id in the storage (issue 33), as its plan.json records
+    assert json.loads((folder / "plan.json").read_text())["study"] == f"default/{first}"
+    trials = optuna.load_study(study_name=f"default/{first}", storage=storage).get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     # Nothing lost: the baseline kept, trial 1 failed as left by the dead driver and re-run once.
     assert trials[0].user_attrs["baseline"] is True and trials[0] in complete
