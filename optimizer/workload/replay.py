@@ -850,6 +850,11 @@ async def replay(
         run.t0 = clock.now() if opts.start_at is None else opts.start_at
         stopped_early, stop_reason = await _run_until_stopped(run, clock, opts, stop_check)
     result = _result(run, clock, opts, stopped_early, stop_reason)
+    return _with_preroll(result, warm)
+
+
+def _with_preroll(result: ReplayResult, warm: tuple[int, int, int, float]) -> ReplayResult:
+    """``result`` with what its pre-roll sent: (requests, failed, tokens, seconds)."""
     return dataclasses.replace(
         result,
         preroll_requests=warm[0],
