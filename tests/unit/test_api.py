@@ -294,6 +294,9 @@ def test_the_thin_client_round_trip(client: TestClient, service: JobService) -> 
     assert c.trial(sid, 1)["engine_args"]["max-num-seqs"] == 16
     text, name = c.export(sid, "helm", policy="knee")
     assert name == f"{sid}-helm-values.yaml" and "servingEngineSpec" in text
+    # a re-validated export: queued by the service, polled by the client, then fetched
+    text, name = c.export(sid, "helm", validate="true", runs=2, poll_s=0.01)
+    assert name == f"{sid}-helm-values.yaml" and "fake gain, 2 runs" in text
     assert c.cancel(uploaded["id"])["state"] == "cancelled"
     with pytest.raises(ConfigError, match="answered 404"):
         c.get("nope")
