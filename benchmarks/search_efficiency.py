@@ -5,35 +5,47 @@ proposes configurations of the table's grid; the table answers each with a draw 
 configuration's measured repeats (``benchmarks/capacity_table.py``). The draw is replayed
 through the project's own capacity search (:func:`optimizer.capacity.search.search_capacity`,
 racing and the estimate included): a step at scale ``s`` passes when ``s`` is at most the
-drawn measurement's capacity, its margin is read off that measurement's recorded steps, and
-its seconds are the recorded replay seconds at that scale (replay time goes as 1 / scale; a
-step the real search stopped early costs the share of a full step that recorded early stops
-took). A trial is charged its recorded server start, the recorded per-step overhead (drain,
-prefix-cache reset, warm-up, stop) and its steps: racing and early stops save what they save
-on the real machine, no more.
+drawn measurement's capacity, and its margin is read off that measurement's recorded steps.
+A step is charged the replay seconds the table recorded for a step of its kind (full or stopped
+early) at that scale: the drawn measurement's, else another repeat's of the configuration; a
+scale no repeat recorded (a race step at the incumbent's scale, mostly) is interpolated between
+the measurement's recorded steps (:class:`TableServer`; ``--step-seconds scale``: the 1 / scale
+model of the runs before issue 34). The output says how many steps came from where. A trial is
+charged its recorded server start, the recorded per-step overhead (drain, prefix-cache reset,
+warm-up, stop) and its steps: racing and early stops save what they save on the real machine.
 
 The first trial of every strategy is vLLM's defaults (the table's baseline), as in a real
-study; it is the first incumbent for racing. What a strategy "has found" after t hours is the
-configuration with its best told capacity; its quality is that configuration's mean over the
-table's repeats (the truth), as a share of the table's best mean.
+study; it is the first incumbent for racing. What a strategy "has found" (returns) after t hours
+is the configuration with its best told capacity; its quality is that configuration's mean over
+the table's repeats (the truth), as a share of the table's best mean.
 
-Strategies: ``tpe-racing`` (TPE with racing at the incumbent), ``tpe`` (without racing),
-``gp``, ``random``, ``grid`` (every point in a random order), ``one-at-a-time`` (the tuning
-guide: memory, then max-num-seqs, then the batched-token budget, then prefix caching, each
-value tried with the others fixed at the best so far; max-model-len is not in the grid), and
-with ``--warm-from FOLDER`` ``tpe-warm``: ``tpe-racing`` warm-started as a job's ``warm_start``
-does it (:mod:`optimizer.warm_start`): the earlier study's 3 best configurations measured first
-after the baseline, and its told trials given to TPE as prior observations. The earlier
-study's own GPU time is not charged (it was spent before).
+Strategies: ``tpe-racing`` (TPE with racing at the incumbent, the default), ``random-racing``
+(Optuna's random sampler through the same path, racing included: what racing gives without a
+model), ``tpe`` (without racing), ``gp``, ``random``, ``grid`` (every point in a random order),
+``one-at-a-time`` (the tuning guide: memory, then max-num-seqs, then the batched-token budget,
+then prefix caching, each value tried with the others fixed at the best so far; max-model-len is
+not in the grid), and with ``--warm-from FOLDER`` ``tpe-warm``: ``tpe-racing`` warm-started as a
+job's ``warm_start`` does it (:mod:`optimizer.warm_start`): the earlier study's 3 best
+configurations measured first after the baseline, and its told trials given to TPE as prior
+observations. The earlier study's own GPU time is not charged (it was spent before).
 
-Output: a PNG of best-so-far vs GPU-hours (mean over seeds with a 95 % band) and a table:
+``--merge PARAM``: the configurations that differ only in PARAM are one grid point, their
+measurements pooled (on the first CPU table ``kv-cache-memory-bytes`` did not act: 36 labels,
+18 engine configurations, and a "best" that rests on one draw of one label).
+
+Output: a PNG of best-so-far vs GPU-hours (mean over seeds with a 95 % band); a table of
 GPU-hours to reach 90 / 95 / 99 % of the table's best (median over seeds; seeds that never
 reached it counted), the gap to the best at half the grid's budget, and the mean GPU time of a
-losing trial.
+losing trial; the share of the best found at 10 / 25 / 50 / 100 % of the grid's time; and per
+seed set (``--seed-sets 0-19,20-39``: disjoint sets, each a replication, then all together) the
+share of the best at 25 / 50 / 100 %, the seeds whose returned configuration is in the table's
+top decile by true mean, the returned configuration's true mean capacity, the seeds that reached
+the best and the median time to it, losers' GPU time and the told values that were lower bounds
+(the search ended before any step failed).
 
 Usage:
     python -m benchmarks.search_efficiency benchmarks/data/capacity_table_cpu.json \
-        --seeds 20 --png docs/search_efficiency_cpu.png
+        --seed-sets 0-19,20-39 --strategies tpe-racing,random-racing,random,tpe
 """
 
 from __future__ import annotations
@@ -44,7 +56,8 @@ import math
 import random
 import statistics
 import sys
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,7 +69,11 @@ from optuna.trial import TrialState
 from optimizer.capacity.search import StepOutcome, search_capacity
 from optimizer.types import CapacitySettings
 
-STRATEGIES = ("tpe-racing", "tpe", "gp", "random", "grid", "one-at-a-time")
+STRATEGIES = ("tpe-racing", "random-racing", "tpe", "gp", "random", "grid", "one-at-a-time")
+RACING = ("tpe-racing", "random-racing", "tpe-warm")  # the strategies that race the incumbent
+STEP_SECONDS = ("recorded", "scale")
+# Where a step's seconds came from (TableServer.sources), most faithful first.
+SOURCES = ("recorded", "another repeat", "interpolated", "scale model")
 WARM = "tpe-warm"
 # The tuning guide's order; each name is a grid param when the table's grid has it.
 GUIDE_ORDER = (
@@ -95,6 +112,8 @@ class Table:
     truth: dict[str, float]
     baseline: str
     step_overhead_s: float
+    step_seconds: str = "recorded"  # or "scale": the 1 / scale model of earlier runs
+    merged: tuple[str, ...] = ()  # grid params whose labels were pooled (--merge)
 
     @property
     def best(self) -> float:
@@ -112,35 +131,52 @@ class Table:
         )
 
 
-def load_table(doc: Mapping[str, Any], *, partial: bool = False) -> Table:
-    """The table from ``capacity_table.py``'s JSON (every grid point measured, unless partial)."""
+def load_table(
+    doc: Mapping[str, Any],
+    *,
+    partial: bool = False,
+    merge: tuple[str, ...] = (),
+    step_seconds: str = "recorded",
+) -> Table:
+    """The table from ``capacity_table.py``'s JSON (every grid point measured, unless partial).
+
+    ``merge``: grid params whose values are labels of one engine configuration (on the CPU
+    build of the first table, ``kv-cache-memory-bytes`` did not act): the configurations that
+    differ only in them are one grid point, their measurements pooled as its repeats and its
+    truth their mean. ``step_seconds``: how a step is charged (:class:`TableServer`).
+    """
+    if step_seconds not in STEP_SECONDS:
+        raise ValueError(f"step_seconds {step_seconds!r} is not one of {STEP_SECONDS}")
     configs: dict[str, list[Measurement]] = {}
-    truth: dict[str, float] = {}
+    raw: dict[str, list[Mapping[str, Any]]] = {}
     grid: dict[str, set[Any]] = {}
     baseline = ""
     overheads: list[float] = []
     for entry in doc["configs"].values():
         ms = entry["measurements"]
-        params = entry["params"]
+        params = {k: v for k, v in entry["params"].items() if k not in merge}
         is_base = any(m["baseline"] for m in ms)
         if not is_base:
             for k, v in params.items():
                 grid.setdefault(k, set()).add(json.dumps(v))
         key = "baseline" if is_base else json.dumps(dict(sorted(params.items())), sort_keys=True)
         baseline = "baseline" if is_base else baseline
-        configs[key] = [_measurement(m) for m in ms]
-        truth[key] = statistics.fmean(m["capacity_rps"] for m in ms)
+        configs.setdefault(key, []).extend(_measurement(m) for m in ms)
+        raw.setdefault(key, []).extend(ms)
         for m in ms:
             replay = sum(s["replay_s"] for s in m["steps"])
             overheads.append(
                 max(0.0, m["wall_s"] - m["startup_s"] - replay) / (len(m["steps"]) + 1)
             )
+    truth = {k: statistics.fmean(m["capacity_rps"] for m in ms) for k, ms in raw.items()}
     table = Table(
         grid={k: sorted((json.loads(v) for v in vs), key=_order) for k, vs in grid.items()},
         configs=configs,
         truth=truth,
         baseline=baseline,
         step_overhead_s=statistics.median(overheads) if overheads else 0.0,
+        step_seconds=step_seconds,
+        merged=tuple(merge),
     )
     missing = math.prod(len(v) for v in table.grid.values()) - (len(configs) - bool(baseline))
     if not baseline or (missing and not partial):
@@ -166,10 +202,30 @@ def _measurement(m: Mapping[str, Any]) -> Measurement:
 
 
 class TableServer:
-    """One drawn measurement answering a capacity search (``measure(scale, attempt)``)."""
+    """One drawn measurement answering a capacity search (``measure(scale, attempt)``).
 
-    def __init__(self, m: Measurement) -> None:
+    A step's margin is read off the measurement's recorded steps. Its seconds
+    (``step_seconds="recorded"``, the default) are what the table recorded for a step at that
+    scale and of that kind (full, or stopped early): the drawn measurement's own step, else one
+    of the configuration's other repeats (``repeats``). A step at a scale no repeat recorded
+    (a race step at the incumbent's scale, mostly) is interpolated between the measurement's
+    recorded steps of its kind, log seconds linear in log scale: as 1 / scale below the lowest
+    recorded scale (a slow replay lasts the trace), flat above the highest (a fast one costs its
+    requests' own time: the recorded seconds stop falling near x8). Only a kind the measurement
+    never recorded falls back to the 1 / scale model. ``step_seconds="scale"`` is that model for
+    every step (the runs before issue 34): the median recorded ``replay_s * scale``, over the
+    scale, a stopped-early step the share of a full one that recorded early stops took.
+    ``sources`` counts where each step's seconds came from (:data:`SOURCES`).
+    """
+
+    def __init__(
+        self,
+        m: Measurement,
+        repeats: tuple[Measurement, ...] = (),
+        step_seconds: str = "recorded",
+    ) -> None:
         self.m = m
+        self.step_seconds = step_seconds
         full = [s for s in m.steps if not s["stopped_early"] and s.get("margin") is not None]
         by_scale: dict[float, list[float]] = {}
         for s in full:  # a repeated step: its margins' mean
@@ -184,6 +240,18 @@ class TableServer:
             else _STOPPED_SHARE
         )
         self.stop_above = min((s["scale"] for s in early), default=math.inf)
+        self.own = _recorded(m.steps)
+        self.others = _recorded(s for r in repeats for s in r.steps)
+        exact = {k: math.log(float(s["scale"])) for s in m.steps for k in [_step_key(s)]}
+        self.curve = {  # per kind: (log scale, log seconds), a repeated scale's mean
+            kind: sorted(
+                (exact[(k, x)], math.log(statistics.fmean(v)))
+                for (k, x), v in self.own.items()
+                if k is kind
+            )
+            for kind in (False, True)
+        }
+        self.sources: Counter[str] = Counter()
         self.seconds = 0.0
         self.steps = 0
 
@@ -198,6 +266,28 @@ class TableServer:
             return float(np.interp(x, xs, ys))
         return _extend(x, xs, ys)
 
+    def step_s(self, scale: float, stopped: bool) -> float:
+        """The seconds a step at ``scale`` (stopped early or not) is charged; counts its source."""
+        model = self.full_unit_s * (self.early_share if stopped else 1.0) / scale
+        if self.step_seconds == "scale":
+            self.sources["scale model"] += 1
+            return model
+        key = (stopped, _log_key(scale))
+        for source, records in (("recorded", self.own), ("another repeat", self.others)):
+            if key in records:
+                self.sources[source] += 1
+                return statistics.fmean(records[key])
+        curve = self.curve[stopped]
+        if not curve:
+            self.sources["scale model"] += 1
+            return model
+        self.sources["interpolated"] += 1
+        x = math.log(scale)
+        xs, ys = [p[0] for p in curve], [p[1] for p in curve]
+        if x < xs[0]:
+            return math.exp(ys[0] + xs[0] - x)  # as 1 / scale below the lowest recorded scale
+        return math.exp(float(np.interp(x, xs, ys)))  # flat above the highest
+
     def __call__(self, scale: float, attempt: int) -> StepOutcome:
         self.steps += 1
         c = self.m.capacity_scale
@@ -208,9 +298,27 @@ class TableServer:
         if not passed and not margin > 0:
             margin = 1e-3
         stopped = not passed and (scale >= self.stop_above or margin > 1.0)
-        unit = self.full_unit_s * (self.early_share if stopped else 1.0)
-        self.seconds += unit / scale
+        self.seconds += self.step_s(scale, stopped)
         return StepOutcome(scale, {"deciding": margin}, stopped_early=stopped)
+
+
+def _log_key(scale: float) -> float:
+    """A step's scale as a lookup key: the search's scales are powers and geometric means of
+    the start, recomputed here as in the recorded search up to rounding."""
+    return round(math.log(scale), 4)
+
+
+def _recorded(steps: Any) -> dict[tuple[bool, float], list[float]]:
+    """Recorded replay seconds by (stopped early, scale), steps with no seconds left out."""
+    out: dict[tuple[bool, float], list[float]] = {}
+    for s in steps:
+        if float(s["replay_s"]) > 0:
+            out.setdefault(_step_key(s), []).append(float(s["replay_s"]))
+    return out
+
+
+def _step_key(step: Mapping[str, Any]) -> tuple[bool, float]:
+    return bool(step["stopped_early"]), _log_key(float(step["scale"]))
 
 
 def _extend(x: float, xs: list[float], ys: list[float]) -> float:
@@ -226,6 +334,10 @@ class Run:
     curve: list[tuple[float, float]] = field(default_factory=list)
     losing_trial_s: list[float] = field(default_factory=list)
     trials: int = 0
+    step_sources: Counter[str] = field(default_factory=Counter)  # where step seconds came from
+    curve_keys: list[str] = field(default_factory=list)  # the found configuration per trial
+    lower_bounds: int = 0  # told trials whose search ended with no failing step (hi unknown)
+    seed: int = -1
 
 
 class OfflineStudy:
@@ -245,14 +357,17 @@ class OfflineStudy:
 
     def measure(self, key: str) -> tuple[float | None, bool]:
         """(told capacity req/s, or None when raced out; raced) for one trial of ``key``."""
-        m = self.rng.choice(self.table.configs[key])
-        server = TableServer(m)
+        ms = self.table.configs[key]
+        m = self.rng.choice(ms)
+        server = TableServer(m, tuple(r for r in ms if r is not m), self.table.step_seconds)
         race = self.incumbent_scale if self.racing and self.incumbent_scale > 0 else None
         result = search_capacity(server, replace(self.settings, race_at=race))
         cost = m.startup_s + self.table.step_overhead_s * (server.steps + 1) + server.seconds
         self.seconds += cost
         est = result.estimate.scale
         told = None if result.raced_out else est * m.rps_per_scale
+        if told is not None and not math.isfinite(result.hi):
+            self.run.lower_bounds += 1  # step limit (or x max_scale) before any step failed
         # A raced-out trial's capacity lies below the race step: the study reports that bound.
         self.upper_rps = (race or 0.0) * m.rps_per_scale
         if told is None or told <= self.best_told:
@@ -262,7 +377,9 @@ class OfflineStudy:
             self.incumbent_scale = est
         self.measured[key] = told
         self.run.trials += 1
+        self.run.step_sources.update(server.sources)
         self.run.curve.append((self.seconds, self.table.truth[self.found]))
+        self.run.curve_keys.append(self.found)
         return told, result.raced
 
 
@@ -315,7 +432,9 @@ def _sampler(
         return model_sampler("gp", seed, 4)
     if name == "grid":
         return optuna.samplers.GridSampler(table.grid, seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)
+    if name in ("random", "random-racing"):
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise SystemExit(f"unknown strategy {name!r}: one of {', '.join((*STRATEGIES, WARM))}")
 
 
 def run_sampler(
@@ -329,8 +448,9 @@ def run_sampler(
     """One offline study of an Optuna sampler until the budget or the grid is spent."""
     if name == WARM and warm is None:
         raise SystemExit(f"{WARM} needs --warm-from FOLDER (an earlier study of this grid)")
-    racing = name in ("tpe-racing", WARM)
+    racing = name in RACING  # random-racing: the random sampler through the same path
     study_ = OfflineStudy(table, settings, racing=racing, rng=random.Random(seed))
+    study_.run.seed = seed
     study_.measure(table.baseline)
     study = optuna.create_study(direction="maximize", sampler=_sampler(name, table, seed, warm))
     for key in warm.top if name == WARM and warm else ():
@@ -359,6 +479,7 @@ def run_sampler(
 def run_one_at_a_time(table: Table, settings: CapacitySettings, seed: int, budget_s: float) -> Run:
     """The tuning guide by hand: one parameter at a time, in its order, from the defaults."""
     study_ = OfflineStudy(table, settings, racing=False, rng=random.Random(seed))
+    study_.run.seed = seed
     study_.measure(table.baseline)
     current = {k: _nearest_default(k, v) for k, v in table.grid.items()}
     start_key = table.key(current)
@@ -491,25 +612,44 @@ def run_all(
     table: Table,
     settings: CapacitySettings,
     strategies: list[str],
-    seeds: int,
+    seeds: int | Sequence[int],
     budget_s: float,
     progress: Callable[[str], None] = lambda _line: None,
     warm: Warm | None = None,
 ) -> dict[str, list[Run]]:
+    """Every strategy, one offline study per seed (``seeds``: a count from 0, or the seeds)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     runs: dict[str, list[Run]] = {}
     for name in strategies:
         runs[name] = [
-            run_strategy(name, table, settings, seed, budget_s, warm) for seed in range(seeds)
+            run_strategy(name, table, settings, seed, budget_s, warm) for seed in seed_list
         ]
-        progress(f"{name}: {seeds} seeds")
+        progress(f"{name}: {len(seed_list)} seeds")
     return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("table", type=Path)
-    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--seeds", type=int, default=20, help="seeds 0 .. N-1 (or --seed-sets)")
+    ap.add_argument(
+        "--seed-sets",
+        default=None,
+        help='disjoint seed sets, each reported, then all together: "0-19,20-39"',
+    )
+    ap.add_argument(
+        "--merge",
+        default="",
+        help="grid params whose values label one engine configuration: pooled into one point "
+        "(kv-cache-memory-bytes on the first CPU table, where it did not act)",
+    )
+    ap.add_argument(
+        "--step-seconds",
+        choices=STEP_SECONDS,
+        default="recorded",
+        help="a step's seconds: the table's recorded ones (default), or the 1 / scale model",
+    )
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--budget", type=float, default=1.0, help="times the grid's GPU time")
     ap.add_argument("--png", type=Path, default=None)
@@ -525,7 +665,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"an earlier study folder of this grid, for the {WARM} strategy",
     )
     ns = ap.parse_args(argv)
-    table = load_table(json.loads(ns.table.read_text()), partial=ns.partial)
+    merge = tuple(m for m in ns.merge.split(",") if m)
+    table = load_table(
+        json.loads(ns.table.read_text()),
+        partial=ns.partial,
+        merge=merge,
+        step_seconds=ns.step_seconds,
+    )
+    seed_sets = (
+        parse_seed_sets(ns.seed_sets)
+        if ns.seed_sets
+        else {f"0-{ns.seeds - 1}": list(range(ns.seeds))}
+    )
+    seeds = sorted({s for ss in seed_sets.values() for s in ss})
     settings = _settings(ns.job)
     budget = ns.budget * table.full_grid_s()
     warm = load_warm(ns.warm_from, table, ns.job) if ns.warm_from else None
@@ -534,11 +686,12 @@ def main(argv: list[str] | None = None) -> int:
             f"warm start from {ns.warm_from}: {len(warm.priors)} prior trials, "
             f"{len(warm.top)} configurations enqueued"
         )
-    runs = run_all(table, settings, ns.strategies.split(","), ns.seeds, budget, print, warm)
+    runs = run_all(table, settings, ns.strategies.split(","), seeds, budget, print, warm)
     rows = summarize_runs(table, runs, table.full_grid_s())
     print(
         f"table: {len(table.configs)} configurations; best {table.best:.3g} req/s; "
-        f"the grid's GPU time {table.full_grid_s() / 3600:.2f} h"
+        f"the grid's GPU time {table.full_grid_s() / 3600:.2f} h; step seconds {table.step_seconds}"
+        + (f"; merged labels of {', '.join(table.merged)}" if table.merged else "")
     )
     print(
         f"{'strategy':>14} {'trials':>6} {'h to 90%':>9} {'h to 95%':>9} {'h to 99%':>9} "
@@ -556,10 +709,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("* some seeds never reached it within the budget (median over all, unreached = inf)")
     print_found_at(table, runs)
+    replication = replication_rows(table, runs, seed_sets)
+    print_replication(table, replication)
     if ns.png:
-        plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {ns.seeds} seeds each")
+        plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {len(seeds)} seeds each")
     if ns.json:
-        ns.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        doc = {"rows": rows, "replication": replication}
+        ns.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return 0
 
 
@@ -585,6 +741,138 @@ def print_found_at(table: Table, runs: Mapping[str, list[Run]]) -> None:
     print("found, % of the table's best, at 10 / 25 / 50 / 100 % of the grid's GPU time:")
     for name, cells in found_at(table, runs).items():
         print(f"{name:>14} " + " ".join(f"{100 * m:5.0f} ±{100 * h:3.0f}" for m, h in cells))
+
+
+def top_decile(table: Table, share: float = 0.1) -> set[str]:
+    """The grid points in the table's top ``share`` by true mean capacity: the best
+    ``ceil(share * points)`` of them, ties at the last one's value included (the baseline, not a
+    grid point, never is)."""
+    points = sorted((v for k, v in table.truth.items() if k != table.baseline), reverse=True)
+    if not points:
+        return set()
+    cut = points[max(1, math.ceil(share * len(points))) - 1]
+    return {k for k, v in table.truth.items() if k != table.baseline and v >= cut}
+
+
+def found_key_at(run: Run, seconds: float, start: str) -> str:
+    """The configuration the run returns after ``seconds`` (``start``: before any trial)."""
+    key = start
+    for (at, _truth), found in zip(run.curve, run.curve_keys, strict=True):
+        if at > seconds:
+            break
+        key = found
+    return key
+
+
+def parse_seed_sets(text: str) -> dict[str, list[int]]:
+    """``"0-19,20-39"`` -> {"0-19": [0..19], "20-39": [20..39]}; a set may be one seed. The
+    sets must not share a seed (they are replications of each other)."""
+    sets: dict[str, list[int]] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, _, hi = part.partition("-")
+        seeds = list(range(int(lo), int(hi or lo) + 1))
+        if not seeds:
+            raise SystemExit(f"seed set {part!r} is empty")
+        sets[part] = seeds
+    seen: set[int] = set()
+    for name, seeds in sets.items():
+        if seen & set(seeds):
+            raise SystemExit(f"seed set {name} shares seeds with an earlier set: not disjoint")
+        seen |= set(seeds)
+    return sets
+
+
+FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def replication_rows(
+    table: Table,
+    runs: Mapping[str, list[Run]],
+    seed_sets: Mapping[str, Sequence[int]],
+    fractions: tuple[float, ...] = FRACTIONS,
+) -> list[dict[str, Any]]:
+    """A row per strategy and seed set (and "all" when there is more than one set): the found
+    configuration's truth as a share of the best at each fraction of the grid's time (mean and
+    95 % half-width), the share of seeds whose returned configuration is in the table's top
+    decile (:func:`top_decile`) at each fraction, the returned configuration's true mean capacity
+    (req/s) at the whole budget, the seeds that reached the table's best and the median time to
+    it (a share of the grid's time; inf: not reached in half the seeds), the mean GPU time of a
+    losing trial, the told values that were lower bounds, and where step seconds came from."""
+    full, start = table.full_grid_s(), table.truth[table.baseline]
+    top = top_decile(table)
+    sets = dict(seed_sets)
+    if len(sets) > 1:
+        sets["all"] = sorted({s for seeds in seed_sets.values() for s in seeds})
+    rows = []
+    for name, rs in runs.items():
+        for set_name, seeds in sets.items():
+            chosen = [r for r in rs if r.seed in set(seeds)]
+            if not chosen:
+                continue
+            row: dict[str, Any] = {"strategy": name, "seeds": set_name, "n": len(chosen)}
+            row["trials"] = statistics.fmean(r.trials for r in chosen)
+            for f in fractions:
+                pct = round(f * 100)
+                shares = [best_at(r, f * full, start) / table.best for r in chosen]
+                row[f"share_{pct}"], row[f"share_{pct}_ci"] = _mean_ci(shares)
+                keys = [found_key_at(r, f * full, table.baseline) for r in chosen]
+                row[f"top_decile_{pct}"] = sum(k in top for k in keys)
+            returned = [table.truth[found_key_at(r, full, table.baseline)] for r in chosen]
+            row["returned_rps"], row["returned_rps_ci"] = _mean_ci(returned)
+            times = [time_to(r, table.best) for r in chosen]
+            row["reached_best"] = sum(math.isfinite(t) for t in times)
+            row["median_to_best"] = statistics.median(times) / full
+            losing = [s for r in chosen for s in r.losing_trial_s]
+            row["losing_trial_s"] = statistics.fmean(losing) if losing else math.nan
+            row["lower_bounds"] = sum(r.lower_bounds for r in chosen)
+            sources: Counter[str] = Counter()
+            for r in chosen:
+                sources.update(r.step_sources)
+            row["step_sources"] = {k: sources[k] for k in SOURCES}
+            rows.append(row)
+    return rows
+
+
+def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
+    """The replication table (markdown), then where the steps' seconds came from."""
+    top = top_decile(table)
+    pcts = [round(f * 100) for f in FRACTIONS]
+    print(
+        f"top decile: {len(top)} of {len(table.truth) - 1} grid points, true mean >= "
+        f"{min(table.truth[k] for k in top):.3g} req/s; the best {table.best:.3g} req/s"
+    )
+    print(
+        "| strategy | seeds | trials | found, % of best, at "
+        + " / ".join(f"{p}" for p in pcts)
+        + " % of the grid's time | in the top decile at "
+        + " / ".join(f"{p}" for p in pcts)
+        + " % | returned config's true mean, req/s | reached the best | median time to it "
+        "| losing trial s | lower bounds told |"
+    )
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        n = r["n"]
+        share = " / ".join(
+            f"{100 * r[f'share_{p}']:.0f} ± {100 * r[f'share_{p}_ci']:.0f}" for p in pcts
+        )
+        hits = " / ".join(f"{r[f'top_decile_{p}']}" for p in pcts)
+        median = r["median_to_best"]
+        when = f"{100 * median:.0f} %" if math.isfinite(median) else "not in half"
+        print(
+            f"| {r['strategy']} | {r['seeds']} | {r['trials']:.1f} | {share} | {hits} of {n} "
+            f"| {r['returned_rps']:.1f} ± {r['returned_rps_ci']:.1f} | {r['reached_best']} of {n} "
+            f"| {when} | {r['losing_trial_s']:.0f} | {r['lower_bounds']} |"
+        )
+    print("step seconds charged (all seeds of a strategy):")
+    for r in rows:
+        if r["seeds"] != rows[-1]["seeds"]:
+            continue
+        src = r["step_sources"]
+        total = sum(src.values())
+        print(
+            f"{r['strategy']:>14}: {total} steps: "
+            + ", ".join(f"{src[k]} {k} ({100 * src[k] / max(total, 1):.0f} %)" for k in SOURCES)
+        )
 
 
 def _settings(job: Path) -> CapacitySettings:

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from benchmarks.search_efficiency import (
     STRATEGIES,
+    Measurement,
     OfflineStudy,
     TableServer,
     load_table,
@@ -102,10 +104,12 @@ def test_the_table_answers_a_step_from_the_drawn_measurement() -> None:
     assert server(0.3, 0).deciding_margin == pytest.approx(0.3 / m.capacity_scale - 1, rel=1e-6)
     before = server.seconds
     server(0.25, 0)
-    assert server.seconds - before == pytest.approx(10.0 / 0.25)  # recorded: 10 s at scale 1
+    assert server.seconds - before == pytest.approx(10.0 / 0.25)  # the recorded step at x0.25
     far = server(4.0, 0)
     assert far.stopped_early  # recorded early stops above x1.0
-    assert server.seconds - before == pytest.approx(40.0 + 5.0 / 4.0)
+    # No step at x4 was recorded: flat above the highest recorded early stop (x1.0, 5 s).
+    assert server.seconds - before == pytest.approx(40.0 + 5.0)
+    assert server.sources == {"recorded": 3, "interpolated": 2}  # x0.2 was not recorded
 
 
 def test_a_repeated_step_is_one_point_of_the_margin_curve() -> None:
@@ -173,7 +177,10 @@ def test_the_command_prints_its_table_and_draws_the_curves(tmp_path, capsys) -> 
     assert "tpe-racing" in out and "one-at-a-time" in out and "h to 95%" in out
     assert "found, % of the table's best, at 10 / 25 / 50 / 100 %" in out
     assert png.stat().st_size > 10_000
-    assert {r["strategy"] for r in json.loads(rows.read_text())} == set(STRATEGIES)
+    doc = json.loads(rows.read_text())
+    assert {r["strategy"] for r in doc["rows"]} == set(STRATEGIES)
+    assert {r["strategy"] for r in doc["replication"]} == set(STRATEGIES)
+    assert "| random-racing | 0-1 |" in out and "in the top decile at 25 / 50 / 100 %" in out
 
 
 def test_a_warm_start_measures_the_earlier_best_first_and_gives_tpe_the_priors() -> None:
@@ -216,3 +223,163 @@ def test_the_warm_start_of_the_measured_grid_comes_from_the_product() -> None:
     assert len(warm.top) == 3 and all(k in table.configs for k in warm.top)
     for p in warm.priors:
         assert table.key(p.params) in table.configs
+
+
+def _measured(steps: list[dict], capacity: float = 1.0) -> Measurement:
+    return Measurement(
+        capacity_scale=capacity, rps_per_scale=6.0, startup_s=30.0, steps=tuple(steps)
+    )
+
+
+def _step(scale: float, replay_s: float, early: bool = False) -> dict:
+    margin = scale - 1.0
+    return {
+        "scale": scale,
+        "passed": margin <= 0,
+        "stopped_early": early,
+        "margin": None if early else margin,
+        "replay_s": replay_s,
+    }
+
+
+def test_a_step_is_charged_its_recorded_seconds_not_one_over_scale() -> None:
+    # Recorded seconds that stop falling at high scale (a replay's own requests take time):
+    # the 1 / scale model would charge x0.5 40 s and x4 2.5 s.
+    steps = [_step(0.5, 20.0), _step(1.0, 10.0), _step(2.0, 6.0, early=True), _step(4.0, 5.0)]
+    m = _measured(steps, capacity=1.5)
+    server = TableServer(m)
+    assert server.step_s(0.5, False) == pytest.approx(20.0)
+    assert server.step_s(4.0, False) == pytest.approx(5.0)
+    assert server.step_s(2.0, True) == pytest.approx(6.0)
+    # Between recorded scales: log seconds linear in log scale (x0.707: sqrt(20 * 10)).
+    assert server.step_s(2**-0.5, False) == pytest.approx(math.sqrt(200.0))
+    assert server.step_s(16.0, False) == pytest.approx(5.0)  # flat above the highest
+    assert server.step_s(0.25, False) == pytest.approx(40.0)  # 1 / scale below the lowest
+    assert server.sources == {"recorded": 3, "interpolated": 3}
+    # Another repeat's record at a scale this one lacks comes before interpolation.
+    twin = _measured([_step(0.7, 33.0)])
+    other = TableServer(m, (twin,))
+    assert other.step_s(0.7, False) == pytest.approx(33.0)
+    assert other.sources == {"another repeat": 1}
+    # The 1 / scale model of earlier runs, on request: median(replay * scale) = 10 s / scale.
+    model = TableServer(m, step_seconds="scale")
+    assert model.step_s(4.0, False) == pytest.approx(10.0 / 4.0)
+    assert model.sources == {"scale model": 1}
+    # A kind never recorded (no early stop here) falls back to the model.
+    only_full = TableServer(_measured([_step(0.5, 20.0), _step(1.0, 10.0)]))
+    assert only_full.step_s(2.0, True) == pytest.approx(0.5 * 10.0 / 2.0)
+    assert only_full.sources == {"scale model": 1}
+
+
+def test_a_trial_is_charged_its_start_overhead_and_the_recorded_steps() -> None:
+    from benchmarks.search_efficiency import Table
+    from optimizer.capacity.search import StepOutcome, search_capacity
+
+    capacity = 3.0
+    scales: list[float] = []
+
+    def fake(scale: float, attempt: int) -> StepOutcome:
+        scales.append(scale)
+        return StepOutcome(scale, {"deciding": scale / capacity - 1}, stopped_early=False)
+
+    search_capacity(fake, SETTINGS)  # the steps the study's search will take, recorded
+    steps = [_step(x, 3.0 + 1.0 / x) for x in scales]  # not 1 / scale: a floor of 3 s
+    for s in steps:
+        s["margin"] = s["scale"] / capacity - 1
+        s["passed"] = s["margin"] <= 0
+    m = _measured(steps, capacity=capacity)
+    table = Table(
+        grid={"x": [1]},
+        configs={"baseline": [m], "p": [m]},
+        truth={"baseline": 1.0, "p": 18.0},
+        baseline="baseline",
+        step_overhead_s=2.0,
+    )
+    study = OfflineStudy(table, SETTINGS, racing=False, rng=random.Random(0))
+    study.measure("p")
+    assert study.run.step_sources == {"recorded": len(scales)}
+    assert study.seconds == pytest.approx(m.cost_s(2.0))  # start, overhead, recorded replays
+    assert study.seconds == pytest.approx(
+        30.0 + 2.0 * (len(scales) + 1) + sum(3.0 + 1.0 / x for x in scales)
+    )
+    model = OfflineStudy(
+        replace(table, step_seconds="scale"), SETTINGS, racing=False, rng=random.Random(0)
+    )
+    model.measure("p")
+    assert model.seconds != pytest.approx(study.seconds, rel=0.05)  # the model charges other
+
+
+def test_random_racing_races_through_the_tpe_racing_path() -> None:
+    from benchmarks.search_efficiency import run_sampler
+
+    table = load_table(synthetic_table())
+    runs = {
+        name: run_sampler(name, table, SETTINGS, seed=3, budget_s=math.inf)
+        for name in ("random", "random-racing", "tpe-racing")
+    }
+    # Same seed, same sampler: random-racing proposes what random proposes, its losers cheaper.
+    assert runs["random-racing"].trials == runs["random"].trials == len(table.configs)
+    race = statistics.fmean(runs["random-racing"].losing_trial_s)
+    full = statistics.fmean(runs["random"].losing_trial_s)
+    assert race < full / 2
+    assert race == pytest.approx(statistics.fmean(runs["tpe-racing"].losing_trial_s), rel=0.3)
+    with pytest.raises(SystemExit, match="unknown strategy"):
+        run_sampler("randm", table, SETTINGS, seed=0, budget_s=1.0)
+
+
+def test_merged_labels_pool_their_repeats_into_one_point() -> None:
+    doc = synthetic_table()
+    twin = {}
+    for key, entry in doc["configs"].items():  # each point measured twice more as another label
+        if entry["measurements"][0]["baseline"]:
+            continue
+        params = {**entry["params"], "kv": 2}
+        ms = [{**m, "capacity_rps": m["capacity_rps"] * 2} for m in entry["measurements"]]
+        twin[key + "kv"] = {"args": params, "params": params, "measurements": ms}
+        entry["params"] = {**entry["params"], "kv": 1}
+    doc["configs"].update(twin)
+    labels = load_table(doc)
+    assert len(labels.configs) == 25 and labels.grid["kv"] == [1, 2]
+    merged = load_table(doc, merge=("kv",))
+    assert "kv" not in merged.grid and len(merged.configs) == 13
+    assert all(len(ms) == 4 for k, ms in merged.configs.items() if k != merged.baseline)
+    # The truth is the pooled mean: x1.5 the one-label mean; the grid's time halves.
+    assert merged.best == pytest.approx(labels.best * 0.75)
+    assert merged.full_grid_s() == pytest.approx(labels.full_grid_s() / 2)
+
+
+def test_top_decile_and_the_returned_configuration() -> None:
+    from benchmarks.search_efficiency import Run, found_key_at, replication_rows, top_decile
+
+    table = load_table(synthetic_table())
+    ranked = sorted((k for k in table.truth if k != table.baseline), key=table.truth.get)
+    top = top_decile(table)  # 12 points: ceil(1.2) = the best 2
+    assert top == set(ranked[-2:])
+    full = table.full_grid_s()
+    lucky = Run(
+        curve=[(1.0, table.truth[ranked[0]]), (0.4 * full, table.truth[ranked[-1]])],
+        curve_keys=[ranked[0], ranked[-1]],
+        seed=0,
+    )
+    never = Run(curve=[(1.0, table.truth[ranked[0]])], curve_keys=[ranked[0]], seed=1)
+    assert found_key_at(lucky, 0.3 * full, table.baseline) == ranked[0]
+    assert found_key_at(lucky, full, table.baseline) == ranked[-1]
+    assert found_key_at(never, 0.5, table.baseline) == table.baseline
+    rows = replication_rows(table, {"s": [lucky, never]}, {"0": [0], "1": [1]})
+    assert [r["seeds"] for r in rows] == ["0", "1", "all"]
+    both = rows[-1]
+    assert (both["top_decile_25"], both["top_decile_50"], both["top_decile_100"]) == (0, 1, 1)
+    assert both["returned_rps"] == pytest.approx(
+        (table.truth[ranked[-1]] + table.truth[ranked[0]]) / 2
+    )
+    assert both["share_100"] == pytest.approx((1 + table.truth[ranked[0]] / table.best) / 2)
+    assert both["reached_best"] == 1 and rows[0]["median_to_best"] == pytest.approx(0.4)
+
+
+def test_seed_sets_are_disjoint_ranges() -> None:
+    from benchmarks.search_efficiency import parse_seed_sets
+
+    assert parse_seed_sets("0-19,20-39") == {"0-19": list(range(20)), "20-39": list(range(20, 40))}
+    assert parse_seed_sets("5") == {"5": [5]}
+    with pytest.raises(SystemExit, match="not disjoint"):
+        parse_seed_sets("0-19,10-29")
