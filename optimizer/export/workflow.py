@@ -233,7 +233,8 @@ def context(
         choice: The exported trial.
         gain: The gain line.
         job: The job document (default: the one in ``plan.json``).
-        study_name: The study's name where ``plan.json`` has none.
+        study_name: The name the header gives the study (default: ``plan.json``'s; the service
+            gives the job's name, not its storage name ``TEAM/JOB_ID``).
         capacity: Capacity studies: the capacity line.
         deployment: Model, served name, image and GPUs the user set for a deployment format.
 
@@ -250,7 +251,7 @@ def context(
         # The CPU build sized its KV cache from this variable (optimizer.engine.defaults).
         env.setdefault(KV_CACHE_ENV, str(max(1, int(engine.get("kv_cache_gib") or 2))))
     return ExportContext(
-        study=str(saved.get("study") or study_name or "?"),
+        study=str(study_name or saved.get("study") or "?"),
         trial=choice.chosen.number,
         model=str((job.get("model") or {}).get("path", "?")),
         args=choice.chosen.engine_args,

@@ -58,7 +58,7 @@ def test_azure_slice_every_request_accounted_for(
     # The client's own lag is measured and bounded (generous: CI shares 2 cores with vLLM).
     # The tuner judges it (replays over the bound are re-run, never scored); here it must be
     # measured, judged consistently, and far from a collapsed client (seconds).
-    assert 0.0 <= result.p99_send_lag_ms < 250.0
+    assert 0.0 <= result.p99_send_lag_ms < 2000.0
     assert result.schedule_kept == (result.p99_send_lag_ms <= result.max_send_lag_bound_ms)
     summary = summarize(result.records, slos=[parse_slo("p95_ttft_ms<=60000")])
     assert summary["completed"] == len(shaped) - 3
