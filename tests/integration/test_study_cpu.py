@@ -60,7 +60,9 @@ def job_dict(
             },
             "warmup_requests": 2,
             "max_duration_s": 120,
-            "max_send_lag_ms": 50,
+            # Not under test here: a busy CI machine must not turn the baseline into an invalid
+            # replay (seen with a CPU-heavy process beside the suite: the baseline failed).
+            "max_send_lag_ms": 1000,
         },
         "search_space": {
             "name": "ci",
