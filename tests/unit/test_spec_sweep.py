@@ -130,9 +130,27 @@ class FakeCapacitySpeculationRunner(ScriptedRunner):
         return result
 
 
-def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Path) -> None:
+def _capacity_study(job: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, Path, Any]:
+    """Run a capacity job on the FAKE capacity server: the study, its 3-token speculating
+    trial, the study folder and its plan.json."""
     from optimizer.config import load_job
     from optimizer.study import StudyDriver, prepare
+
+    loaded, base = load_job(job, base=tmp_path)
+    plan = prepare(loaded, base, check_flags=False)
+    study = StudyDriver(
+        plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
+    ).run()
+    folder = Path(job["out"])
+    return (
+        study,
+        _speculating(study, tokens=3),
+        folder,
+        json.loads((folder / "plan.json").read_text()),
+    )
+
+
+def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Path) -> None:
     from tests.unit.capacity.test_capacity_study import _job
 
     job = _job(
@@ -143,14 +161,7 @@ def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Pat
         enqueue=[],
         trials=5,
     )
-    loaded, base = load_job(job, base=tmp_path)
-    plan = prepare(loaded, base, check_flags=False)
-    study = StudyDriver(
-        plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
-    ).run()
-    chosen = _speculating(study, tokens=3)
-    folder = Path(job["out"])
-    saved = json.loads((folder / "plan.json").read_text())
+    study, chosen, folder, saved = _capacity_study(job, tmp_path)
     runner = FakeCapacitySpeculationRunner()
     doc = run_sweep(folder, saved, study, [1.5, 2.5, 3.5], lambda plan: runner, trial=chosen.number)
     assert doc["figure"] == "capacity_rps"
@@ -167,8 +178,6 @@ def test_a_capacity_sweep_compares_capacities_and_tpot_at_one_load(tmp_path: Pat
 def test_rows_the_study_measured_are_its_trials_not_new_server_starts(tmp_path: Path) -> None:
     # As on the H200 (issue 32): the baseline runs exactly the chosen trial's arguments without
     # speculation, and the chosen trial is the stated length: only the other lengths start servers.
-    from optimizer.config import load_job
-    from optimizer.study import StudyDriver, prepare
     from tests.unit.capacity.test_capacity_study import _job
 
     space = {
@@ -195,14 +204,7 @@ def test_rows_the_study_measured_are_its_trials_not_new_server_starts(tmp_path: 
         enqueue=[{"speculative-config": NGRAM}],
         trials=2,
     )
-    loaded, base = load_job(job, base=tmp_path)
-    plan = prepare(loaded, base, check_flags=False)
-    study = StudyDriver(
-        plan, FakeCapacitySpeculationRunner(), heartbeat_interval_s=1, grace_period_s=2
-    ).run()
-    chosen = _speculating(study, tokens=3)
-    folder = Path(job["out"])
-    saved = json.loads((folder / "plan.json").read_text())
+    study, chosen, folder, saved = _capacity_study(job, tmp_path)
 
     runner = FakeCapacitySpeculationRunner()
     doc = run_sweep(folder, saved, study, [1.5, 2.5, 3.5], lambda plan: runner, trial=chosen.number)
