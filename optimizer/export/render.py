@@ -121,6 +121,8 @@ class ExportContext:
         capacity: Capacity studies: how much of the trace this configuration carried within
             the SLOs, beside the baseline (``CapacityAnswer.export_line``).
         deployment: What the user set for a deployment format (model, name, image, GPUs).
+        stored_as: The study's name in its Optuna storage where it differs from ``study``
+            (the service stores a job's study as ``TEAM/JOB_ID``).
     """
 
     study: str
@@ -137,6 +139,7 @@ class ExportContext:
     python: str = "python3"
     notes: tuple[str, ...] = ()
     deployment: Deployment = field(default_factory=Deployment)
+    stored_as: str = ""
 
     @property
     def tuned_on_cpu(self) -> bool:
@@ -222,8 +225,13 @@ class ExportContext:
 
     def header(self, comment: str = "#", *, deploy: bool = False) -> str:
         """The comment block every export opens with; ``deploy``: with :meth:`deploy_notes`."""
+        stored = (
+            f" (stored as '{self.stored_as}')"
+            if self.stored_as and self.stored_as != self.study
+            else ""
+        )
         lines = [
-            f"Exported by vllm-autotune from study '{self.study}', trial {self.trial}.",
+            f"Exported by vllm-autotune from study '{self.study}'{stored}, trial {self.trial}.",
             f"Tuned on: {self.vllm}; hardware: {self.hardware}.",
             f"Trace: {self.trace}",
             f"Measured: {self.gain}",

@@ -234,7 +234,8 @@ def context(
         gain: The gain line.
         job: The job document (default: the one in ``plan.json``).
         study_name: The name the header gives the study (default: ``plan.json``'s; the service
-            gives the job's name, not its storage name ``TEAM/JOB_ID``).
+            gives the job's name, and the header adds plan.json's storage name ``TEAM/JOB_ID``
+            as "stored as").
         capacity: Capacity studies: the capacity line.
         deployment: Model, served name, image and GPUs the user set for a deployment format.
 
@@ -250,8 +251,10 @@ def context(
     if str(saved.get("hardware", "")).startswith("CPU") and "kv-cache-memory-bytes" not in args:
         # The CPU build sized its KV cache from this variable (optimizer.engine.defaults).
         env.setdefault(KV_CACHE_ENV, str(max(1, int(engine.get("kv_cache_gib") or 2))))
+    stored = str(saved.get("study") or "")
     return ExportContext(
-        study=str(study_name or saved.get("study") or "?"),
+        study=str(study_name or stored or "?"),
+        stored_as=stored if study_name and stored != study_name else "",
         trial=choice.chosen.number,
         model=str((job.get("model") or {}).get("path", "?")),
         args=choice.chosen.engine_args,

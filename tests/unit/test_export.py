@@ -115,6 +115,18 @@ def _ctx(**args: Any) -> ex.ExportContext:
     )
 
 
+def test_header_names_the_job_and_the_storage_name_where_they_differ() -> None:
+    """The service stores a job's study as TEAM/JOB_ID; the header names the job first."""
+    from dataclasses import replace
+
+    text = ex.render("vllm-config", replace(_ctx(), stored_as="alpha/0123abcd"))
+    assert text.startswith(
+        "# Exported by vllm-autotune from study 'demo' (stored as 'alpha/0123abcd'), trial 7."
+    )
+    same = ex.render("vllm-config", replace(_ctx(), stored_as="demo"))
+    assert same.startswith("# Exported by vllm-autotune from study 'demo', trial 7.")
+
+
 def test_vllm_config_is_kebab_case_keeps_false_and_drops_local_flags() -> None:
     text = ex.render("vllm-config", _ctx())
     assert text.startswith("# Exported by vllm-autotune from study 'demo', trial 7.")
