@@ -350,11 +350,18 @@ def start_ray(
             _single_node_ray()
     # A small object store: trial results are records, not tensors. The cluster is this
     # process's own, for one study: Ray's notice about token authentication is not the user's.
+    # Its metrics have no reader (no dashboard), and Ray 2.60's OpenTelemetry exporter thread
+    # once killed a tune driver with SIGSEGV (TemporalMetricStorage::buildMetrics) on a loaded
+    # machine: a local cluster records none.
     auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth.level
     auth.setLevel(logging.ERROR)
     try:
-        ray.init(object_store_memory=256 * 1024**2, **kwargs)
+        ray.init(
+            object_store_memory=256 * 1024**2,
+            _system_config={"enable_metrics_collection": False},
+            **kwargs,
+        )
     finally:
         auth.setLevel(level)
 
