@@ -37,6 +37,7 @@ from tests.fakes.openai_stream_server import in_subprocess
 KEEPALIVE_S = 1.0
 N1 = 16  # first phase: a connection in every one of up to 16 pools
 N2 = 8  # second phase, during the stall: on idle connections
+PHASE2_S = 2.0  # when the second phase is sent (the client's keep-alive expiry is 3 s)
 
 
 @pytest.fixture()
@@ -56,20 +57,23 @@ def _replay_across_a_stall(pid: int, url: str, options: ReplayOptions) -> Replay
 
     Times on the replay clock (signals are sent from the replay's stop-check hook, polled
     every 20 ms): phase 1 at 0 s; SIGSTOP once it has finished (well before the server's 1 s
-    idle timeout); phase 2 at 1.0 s, on connections idle for about 1 s on the client's clock
-    (under its expiry, so they are reused); SIGCONT at 2.2 s, when they have been idle for
-    over 1.5 s on the server's clock.
+    idle timeout); phase 2 at 2.0 s, on connections idle for under 2 s on the client's clock
+    (under its 3 s expiry, so they are reused); SIGCONT at 3.2 s, when they have been idle for
+    over 1 s on the server's clock. Phase 1 may take up to 1.9 s (a loaded machine), since the
+    race needs only that it ends before phase 2 starts.
     """
-    arrivals = [0.0] * N1 + [1.0 + 0.001 * i for i in range(N2)]
+    # The idle connections must outlive phase 2's wait on the client's clock to be reused.
+    assert options.keepalive_expiry_s > PHASE2_S + 0.5, options.keepalive_expiry_s
+    arrivals = [0.0] * N1 + [PHASE2_S + 0.001 * i for i in range(N2)]
     trace = Trace(tuple(TraceRequest(a, 16, 2) for a in arrivals))
     state = {"stopped": False, "resumed": False}
 
     def signals(snapshot: ReplaySnapshot) -> None:
         if not state["stopped"] and len(snapshot.finished) >= N1:
-            assert snapshot.now_s < 0.9, f"phase 1 too slow ({snapshot.now_s:.2f} s)"
+            assert snapshot.now_s < PHASE2_S - 0.1, f"phase 1 too slow ({snapshot.now_s:.2f} s)"
             os.kill(pid, signal.SIGSTOP)
             state["stopped"] = True
-        elif state["stopped"] and not state["resumed"] and snapshot.now_s >= 2.2:
+        elif state["stopped"] and not state["resumed"] and snapshot.now_s >= PHASE2_S + 1.2:
             os.kill(pid, signal.SIGCONT)
             state["resumed"] = True
 
