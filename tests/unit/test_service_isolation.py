@@ -447,12 +447,13 @@ def test_validations_are_queued_per_team_and_the_api_keeps_answering(
     assert len(queued) == 10  # per team: one running and four waiting
     refused = next(r for r in answers if r.status_code == 429)
     assert "one of a team runs at a time" in refused.json()["detail"]
-    # While they hold every validation worker: the API answers (generous bounds: a busy CI).
+    # While they hold every validation worker: the API answers. The bound is wide (a busy CI);
+    # validation on the request path would hold these until the validator's release, never.
     for _ in range(5):
         t0 = time.monotonic()
         assert teams.client.get("/healthz").status_code == 200
         assert teams.client.get(f"/v1/studies/{a_id}", headers=ALPHA).status_code == 200
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0
     states = {
         d["id"]: teams.client.get(d["poll"], headers=ALPHA if d["study"] == a_id else BETA).json()
         for d in queued
