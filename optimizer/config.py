@@ -248,7 +248,8 @@ class CapacitySection(_Strict):
             after one more step (:mod:`optimizer.capacity.search`). On by default (measured:
             benchmarks/RESULTS.md, issue 26); off: every trial searches from ``start_scale``.
         race_margin: The race step is at the incumbent's scale times ``1 + race_margin``.
-        race_growth: Factor between steps up from a passed race step.
+        race_growth: The first step up from a passed race step; each further pass squares it,
+            up to ``growth`` (:mod:`optimizer.capacity.search`).
     """
 
     start_scale: float = Field(default=1.0, gt=0)

@@ -139,8 +139,9 @@ class CapacitySettings:
         race_at: Racing: the study's incumbent capacity (a rate scale), set per trial by the
             study (None: no race, the search starts at ``start_scale``).
         race_margin: Racing: the first step is at ``race_at * (1 + race_margin)``.
-        race_growth: Racing: factor between steps up from a passed race step (> 1; smaller
-            than ``growth``: a configuration that beats the incumbent rarely doubles it).
+        race_growth: Racing: the first step up from a passed race step (> 1; smaller than
+            ``growth``: a configuration that beats the incumbent rarely doubles it); each
+            further pass squares the factor, up to ``growth``.
     """
 
     start_scale: float = 1.0

@@ -16,17 +16,19 @@ step whose deciding margin (the largest SLO margin, relative to its threshold) l
 is that of the mean margin; the spread of the repeats is kept as the step's noise. A step that
 was stopped early (its SLOs out of reach) is a certain fail and is never repeated.
 
-**Racing at the incumbent** (``race_at`` set: the study's best capacity so far): the first
-step is at the incumbent's scale (times ``1 + race_margin``). A configuration that passes there
-may beat the incumbent: the search goes up by ``race_growth`` until a step fails, then bisects
-as usual. One that fails cannot win: the search stops after at most one more step. A step
-stopped early (far over an SLO) stops it at once. A near miss, whose margin ``m`` at the race
-scale ``S`` was measured in full, gets one step at ``0.9 * S / (1 + m)`` (where a margin linear
-in the load would cross zero, a little below; never below ``S / growth``), which bounds it
-from below when it passes (the trial's capacity lies in that bracket, estimated as below).
-Otherwise only an upper bound is known (``raced_out``: the study tells such a trial to the
-sampler as pruned, never as a measured capacity). A losing trial costs one or two steps
-instead of a whole search.
+**Racing at the incumbent** (``race_at`` set: the study's best capacity so far): the first step
+is at the incumbent's scale (times ``1 + race_margin``). A configuration that passes there may
+beat the incumbent: the search goes up until a step fails, then bisects as usual; it goes up by
+``race_growth`` first, and each further pass squares the factor, up to ``growth`` (x1.25, then
+x1.5625, then x2 with the defaults), so a configuration far above the incumbent is bracketed
+within the step limit instead of told as a lower bound (a constant 1.25 over 8 steps stopped at
+x4.8). One that fails cannot win: the search stops after at most one more step. A step stopped
+early (far over an SLO) stops it at once. A near miss, whose margin ``m`` at the race scale
+``S`` was measured in full, gets one step at ``0.9 * S / (1 + m)`` (where a margin linear in the
+load would cross zero, a little below; never below ``S / growth``), which bounds it from below
+when it passes (the trial's capacity lies in that bracket, estimated as below). Otherwise only
+an upper bound is known (``raced_out``: the study tells such a trial to the sampler as pruned,
+never as a measured capacity). A losing trial costs one or two steps instead of a whole search.
 
 **The estimate** (:func:`estimate_capacity`): within the final bracket, the deciding margin
 (the largest SLO margin) of every fully measured step, made non-decreasing in the scale
@@ -274,7 +276,9 @@ class _Search:
                     False,
                 )
             up = min(race * s.race_growth, s.max_scale)
-            lo, hi, stop = self._bracket(up, s.race_growth, race, math.inf)
+            lo, hi, stop = self._bracket(
+                up, s.race_growth, race, math.inf, widen_to=max(s.growth, s.race_growth)
+            )
             return lo, hi, stop, False
         if race <= s.min_scale:
             return 0.0, race, f"failed at the lowest scale tried (x{s.min_scale:g})", False
@@ -306,10 +310,19 @@ class _Search:
         )
 
     def _bracket(
-        self, scale: float, growth: float, lo: float, hi: float
+        self,
+        scale: float,
+        growth: float,
+        lo: float,
+        hi: float,
+        *,
+        widen_to: float | None = None,
     ) -> tuple[float, float, str]:
         """Step by ``growth`` from ``scale`` until a pass and a fail are neighbours (or a
-        bound is reached). Returns (lo, hi, stop): ``stop`` empty when bisection follows."""
+        bound is reached). Returns (lo, hi, stop): ``stop`` empty when bisection follows.
+        ``widen_to``: at each pass going up, square the factor (up to this one) before the
+        next step: from a race step passed at ``race * growth``, the climb goes on by
+        ``growth**2``, then ``growth**4``, ..."""
         s = self.s
         while True:
             if self.left <= 0:
@@ -320,6 +333,8 @@ class _Search:
                     return lo, hi, f"passed at the highest scale tried (x{s.max_scale:g})"
                 if math.isfinite(hi):
                     return lo, hi, ""
+                if widen_to is not None:
+                    growth = min(growth * growth, widen_to)
                 scale = min(scale * growth, s.max_scale)
             else:
                 hi = scale

@@ -3,6 +3,7 @@ capacity (fakes: no server, no replay; the margins are functions of the scale)."
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -151,6 +152,28 @@ def test_a_better_configuration_passes_the_race_and_is_searched_up_from_there() 
     assert result.steps[1].scale == pytest.approx(incumbent * settings.race_growth)
     assert result.scale <= capacity < result.hi
     assert abs(result.estimate.scale - capacity) <= _half_bracket(result)
+
+
+def test_a_winner_far_above_the_incumbent_is_bracketed_not_told_as_a_lower_bound() -> None:
+    """x6 the incumbent within the default 8 steps: the climb widens (x1.25, x1.5625, x2, ...),
+    where a constant 1.25 would stop at x4.8 (1.25**7) with a lower bound."""
+    capacity, incumbent = 6.0, 1.0
+    settings = _race(CapacitySettings(max_steps=8, noise=0.0, max_scale=64.0), incumbent)
+    result = search_capacity(fake_server(capacity), settings)
+    scales = [st.scale for st in result.steps]
+    ups = [round(b / a, 4) for a, b in itertools.pairwise(scales)][:4]
+    assert ups == [1.25, 1.5625, 2.0, 2.0], [st.scale for st in result.steps]
+    assert result.estimate.method != "lower bound" and math.isfinite(result.hi)
+    assert result.scale <= capacity < result.hi
+
+
+def test_a_small_winner_costs_what_it_did_with_a_constant_climb() -> None:
+    """x1.1 the incumbent: pass at the race, fail at x1.25, then bisect: the widening never
+    comes into play (it starts after a second pass going up)."""
+    settings = _race(CapacitySettings(tolerance=0.05, noise=0.0), 1.0)
+    result = search_capacity(fake_server(1.1), settings)
+    assert [round(st.scale, 4) for st in result.steps[:2]] == [1.0, 1.25]
+    assert not result.steps[1].passed and result.scale <= 1.1 < result.hi
 
 
 def test_the_race_margin_moves_the_first_step() -> None:
