@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -227,6 +229,10 @@ def reap_orphans(grace_s: float = 5.0) -> list[int]:
 # --- the engine -------------------------------------------------------------------------------
 
 
+#: vLLM's folder for its ZMQ IPC sockets (``vllm.envs``; default: the system's temporary one).
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+
+
 class EngineProcess:
     """One vLLM server: start, wait healthy, query, stop; usable as a context manager.
 
@@ -272,6 +278,7 @@ class EngineProcess:
         self._exit_file = self.log_path.with_name(self.log_path.name + ".exit")
         self._registry_entry: Path | None = None
         self._log_offset = 0
+        self._rpc_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -296,7 +303,20 @@ class EngineProcess:
             env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         env.update(self.config.env)
         env[ENGINE_ID_ENV] = self.engine_id
+        if RPC_DIR_ENV not in env:
+            # vLLM's ZMQ IPC sockets (one file per socket, named by a UUID) go to this folder,
+            # not the system's temporary one: a server that is killed leaves them behind, and
+            # an overnight study would fill /tmp with them. Removed when the server stops.
+            if self._rpc_dir is None:
+                self._rpc_dir = tempfile.mkdtemp(prefix="vat-rpc-")
+            env[RPC_DIR_ENV] = self._rpc_dir
         return env
+
+    @property
+    def rpc_dir(self) -> str | None:
+        """The folder of the server's IPC sockets (None: not started, or the user set
+        ``VLLM_RPC_BASE_PATH``)."""
+        return self._rpc_dir
 
     def log_text(self) -> str:
         """The server log so far."""
@@ -578,6 +598,9 @@ class EngineProcess:
         emptied = _kill_group_and_wait(proc.pid, self.stop_grace_s)
         if self._registry_entry is not None:
             self._registry_entry.unlink(missing_ok=True)
+        if emptied and self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         if not emptied:
             raise EngineError(
                 f"processes {group_alive_pids(proc.pid)} of engine group {proc.pid} "

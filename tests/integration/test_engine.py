@@ -112,8 +112,13 @@ def test_start_request_stop_leaves_no_process(
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert engine.startup_s is not None and engine.startup_s > 0
+        # vLLM's IPC sockets are in the server's own folder, not the system's temporary one.
+        rpc_dir = engine.rpc_dir
+        assert rpc_dir is not None
+        assert any(p.is_socket() for p in Path(rpc_dir).iterdir()), list(Path(rpc_dir).iterdir())
     assert group_alive_pids(pgid) == []
     assert all(not _pid_alive(p) for p in members)
+    assert not Path(rpc_dir).exists()  # ... removed with the server
 
 
 def test_a_preloaded_interpreter_serves_what_a_plain_start_serves(
