@@ -179,8 +179,10 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
     assert re.search(r"trial 1 failed \(kv_cache_too_small\)", out)
     assert servers_of(tiny_model) == []
 
-    # Export with re-validation: this light load cannot tell two configurations apart (every
-    # one serves the offered load), so the export must be refused, with the numbers.
+    # Export with re-validation: this light load rarely tells two configurations apart (every
+    # one serves the offered load), so the export is refused, with the numbers, unless the
+    # re-runs measured a throughput gain whose whole interval is above zero (a loaded machine
+    # saw +4.8 %, +1.8..+7.9 %): either verdict must agree with the numbers it gives.
     target = tmp_path / "exported.yaml"
     proc = subprocess.run(
         [
@@ -207,11 +209,18 @@ def test_real_study_with_baseline_infeasible_trial_and_pareto_table(
         cwd=REPO,
         timeout=1500,
     )
-    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join((proc.stdout + proc.stderr).split())
-    assert "refusing to export" in said and "within the noise" in said
-    assert "re-validation" in said
-    assert not target.exists()
+    assert proc.returncode in (0, 4), proc.stdout[-3000:] + proc.stderr[-3000:]
+    if proc.returncode == 4:
+        assert "refusing to export" in said and "within the noise" in said
+        assert "re-validation" in said
+        assert not target.exists()
+    else:
+        header = target.read_text()
+        gain = re.search(r"output_throughput \+?(-?[\d.]+)% \(\+?(-?[\d.]+)%\.\.", header)
+        assert gain is not None, header
+        assert float(gain.group(2)) > 0, header  # exported only on a gain above the noise
+        assert "re-runs each" in header
     assert servers_of(tiny_model) == []
 
 
