@@ -59,7 +59,8 @@ class Validation:
             return (math.nan, math.nan, math.nan)
 
         def g(v: float, b: float) -> float:
-            return sign * (v - b) / abs(b) * 100.0
+            # One baseline run at 0 (its median is not): that bound of the range is unknown.
+            return sign * (v - b) / abs(b) * 100.0 if b != 0 else math.nan
 
         med = g(statistics.median(self.chosen[metric]), base)
         # The range pits the chosen's worst run against the baseline's best, and vice versa.
