@@ -24,7 +24,6 @@ __all__ = ["Validation", "primary_metrics", "validate_choice"]
 
 
 @dataclass
-@dataclass
 class Validation:
     """Re-measurements of the chosen configuration and the baseline.
 

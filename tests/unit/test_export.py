@@ -4,6 +4,7 @@ FAKE run function, and every renderer's output parsed back."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -364,6 +365,19 @@ def test_a_consistent_but_negligible_gain_counts_as_noise() -> None:
     _med, low, _high = tiny.gain_pct("output_throughput")
     assert low > 0  # consistently better...
     assert tiny.within_noise("output_throughput")  # ...by less than the 1% worth deploying
+
+
+def test_a_baseline_run_at_zero_makes_that_bound_unknown_not_a_crash() -> None:
+    # Seen in a loaded test run: one baseline re-run measured 0 (its median did not), and the
+    # gain range divided by it. That bound is unknown (nan); the median and the other bound stand.
+    odd = _fake_validation([120, 125, 130], [0, 100, 101])
+    med, low, high = odd.gain_pct("output_throughput")
+    assert med == pytest.approx(25.0)
+    assert low == pytest.approx((120 - 101) / 101 * 100)
+    assert math.isnan(high)
+    assert not odd.within_noise("output_throughput")
+    assert odd.problems(["output_throughput"]) == []
+    assert odd.gain_text().startswith("output_throughput +25.0%")
 
 
 def test_helm_values_validate_against_the_chart_contract_and_the_validator_is_real() -> None:
