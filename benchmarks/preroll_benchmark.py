@@ -20,18 +20,28 @@ every request of it), and the window's warm set (today's default: one prefill-on
 prefix chain the window reuses), with the pre-roll's prompt tokens and seconds per step beside
 the rest.
 
+``--trace FILE`` replays a recorded trace instead (any format the importers read, e.g. the
+Mooncake conversation trace with its prefix blocks), shaped as the job says (its length scale,
+clip, output cap), with only the window replaced. ``--stretch-steps N`` gives the stretch's
+trial at most N capacity steps (on a real trace one step of it can take minutes), and that
+row's pre-roll is sent uncut, as the old default sent it: today's trial cuts any pre-roll to
+the server's KV cache. ``--plan-only`` prints what each row would send and starts nothing.
+
 Usage:
     python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml [--compare preroll] \
         [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500] [--max-scale 256]
-        [--ttft-slo-ms 500]
+        [--ttft-slo-ms 500] [--tpot-slo-ms 50] [--trace FILE] [--max-steps 12]
+        [--start-scale 0.5] [--stretch-steps 1] [--plan-only]
         [--out runs/preroll-benchmark]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,8 +55,8 @@ from optimizer.config import load_job
 from optimizer.study import prepare
 from optimizer.trial import run_trial
 from optimizer.types import Trace, TraceRequest
-from optimizer.workload.formats import write_trace
-from optimizer.workload.shaping import ShapeSpec, covering_preroll_s, shape
+from optimizer.workload.formats import read_trace, write_trace
+from optimizer.workload.shaping import ShapeSpec, covering_preroll_s, preroll_trace, shape
 from optimizer.workload.stats import prefix_reuse_ratio
 
 BLOCK = 64
@@ -100,9 +110,7 @@ def _job(
     trace_path: Path,
     window: tuple[float, float],
     out: Path,
-    lag_ms: float,
-    max_scale: float,
-    ttft_slo_ms: float | None,
+    ns: argparse.Namespace,
 ) -> Path:
     """The job file with this trace and window (written next to the trace)."""
     doc: dict[str, Any] = yaml.safe_load(Path(job_path).read_text())
@@ -111,13 +119,26 @@ def _job(
     if "path" in model and not Path(model["path"]).is_absolute():
         model["path"] = str((base / model["path"]).resolve())
     doc["trace"]["path"] = str(trace_path.resolve())
-    doc["trace"]["format"] = "canonical"
-    doc["trace"]["shaping"] = {"window_s": list(window), "max_model_len": 2048}
-    doc["trace"]["max_send_lag_ms"] = lag_ms
-    doc.setdefault("capacity", {}).update(max_scale=max_scale, max_steps=12)
-    if ttft_slo_ms is not None:
-        slos = [s for s in doc["objectives"]["slos"] if not s.startswith("p95_ttft_ms")]
-        doc["objectives"]["slos"] = [f"p95_ttft_ms<={ttft_slo_ms:g}", *slos]
+    if ns.trace:
+        # A recorded trace: the job's shaping (length scale, clip, output cap), this window,
+        # the default pre-roll (the warm set).
+        doc["trace"].pop("format", None)
+        shaping = dict(doc["trace"].get("shaping") or {})
+        shaping.pop("preroll_s", None)
+        shaping["window_s"] = list(window)
+        doc["trace"]["shaping"] = shaping
+    else:
+        doc["trace"]["format"] = "canonical"
+        doc["trace"]["shaping"] = {"window_s": list(window), "max_model_len": 2048}
+    doc["trace"]["max_send_lag_ms"] = ns.max_send_lag_ms
+    capacity = doc.setdefault("capacity", {})
+    capacity.update(max_scale=ns.max_scale, max_steps=ns.max_steps)
+    if ns.start_scale is not None:
+        capacity["start_scale"] = ns.start_scale
+    for metric, bound in (("p95_ttft_ms", ns.ttft_slo_ms), ("p95_tpot_ms", ns.tpot_slo_ms)):
+        if bound is not None:
+            slos = [s for s in doc["objectives"]["slos"] if not s.startswith(metric)]
+            doc["objectives"]["slos"] = [f"{metric}<={bound:g}", *slos]
     doc["out"] = str((out / "study").resolve())
     path = out / "job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -146,6 +167,19 @@ def main() -> int:
         "--ttft-slo-ms", type=float, default=None, help="replace the job's P95 TTFT SLO"
     )
     ap.add_argument(
+        "--tpot-slo-ms", type=float, default=None, help="replace the job's P95 TPOT SLO"
+    )
+    ap.add_argument("--trace", default=None, help="a recorded trace instead of the synthetic one")
+    ap.add_argument("--max-steps", type=int, default=12, help="capacity steps per trial")
+    ap.add_argument("--start-scale", type=float, default=None, help="the search's first scale")
+    ap.add_argument(
+        "--stretch-steps",
+        type=int,
+        default=None,
+        help="--compare preroll: at most this many steps for the stretch's trial (uncut)",
+    )
+    ap.add_argument("--plan-only", action="store_true", help="print the rows, start nothing")
+    ap.add_argument(
         "--compare",
         choices=["caching", "preroll"],
         default="caching",
@@ -156,27 +190,31 @@ def main() -> int:
     out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     start, end = (float(v) for v in ns.window.split(":"))
-    trace_path = out / "conversations.jsonl"
-    write_trace(conversations(), trace_path)
-    job, base = load_job(
-        str(
-            _job(
-                ns.job,
-                trace_path,
-                (start, end),
-                out,
-                ns.max_send_lag_ms,
-                ns.max_scale,
-                ns.ttft_slo_ms,
-            )
-        )
-    )
+    if ns.trace:
+        trace_path = Path(ns.trace)
+    else:
+        trace_path = out / "conversations.jsonl"
+        write_trace(conversations(), trace_path)
+    job, base = load_job(str(_job(ns.job, trace_path, (start, end), out, ns)))
     plan = prepare(job, base)
     for line in plan.trace_notes:
         print(line)
     args = {**plan.baseline_args, **(json.loads(ns.args) if ns.args else {})}
+    runs = _runs(ns.compare, plan.trace, (start, end), job if ns.trace else None)
+    for caching, label, warm in runs:
+        sent = preroll_trace(replace(plan.trace, preroll=warm))
+        tokens = sum(r.input_tokens for r in sent.requests)
+        print(
+            f"row {label!r}: prefix caching {'on' if caching else 'off'}, pre-roll of "
+            f"{len(warm)} requests sends {len(sent)} ({tokens:,}"
+            f" prompt tokens) before each step, uncut; window reuse offered "
+            f"{prefix_reuse_ratio(plan.trace, warm):.1%}",
+            flush=True,
+        )
+    if ns.plan_only:
+        return 0
     rows = []
-    for i, (caching, label, warm) in enumerate(_runs(ns.compare, plan.trace, (start, end))):
+    for i, (caching, label, warm) in enumerate(runs):
         preroll = bool(warm)
         spec = plan.trial_spec(
             i,
@@ -185,8 +223,17 @@ def main() -> int:
             seed=810_000 + i,
         )
         spec = replace(spec, trace=replace(spec.trace, preroll=warm))
+        old_default = ns.compare == "preroll" and "stretch" in label
+        if old_default and ns.stretch_steps is not None and spec.capacity is not None:
+            spec = replace(spec, capacity=replace(spec.capacity, max_steps=ns.stretch_steps))
         t0 = time.monotonic()
-        result = run_trial(spec)
+        if old_default:
+            # The old default sent its whole stretch whatever the server's KV cache; today's
+            # trial cuts every pre-roll to it. This row measures the old behaviour.
+            with _uncut_preroll():
+                result = run_trial(spec)
+        else:
+            result = run_trial(spec)
         cap = dict(result.capacity or {})
         metrics = result.server_metrics or {}
         queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
@@ -220,9 +267,11 @@ def main() -> int:
 
 
 def _runs(
-    compare: str, trace: Trace, window: tuple[float, float]
+    compare: str, trace: Trace, window: tuple[float, float], job: Any = None
 ) -> list[tuple[bool, str, tuple[TraceRequest, ...]]]:
-    """(prefix caching, pre-roll label, pre-roll requests) of each trial."""
+    """(prefix caching, pre-roll label, pre-roll requests) of each trial. ``job``: a job on a
+    recorded trace (the stretch is cut from it with the job's shaping); None: the synthetic
+    conversations."""
     if compare == "caching":
         warm = trace.preroll
         return [
@@ -231,14 +280,34 @@ def _runs(
             (False, "default", warm),
             (False, "none", ()),
         ]
-    whole = conversations()
-    covered = covering_preroll_s(whole, *window)
-    stretch, _ = shape(whole, ShapeSpec(window_s=window, preroll_s=covered, max_model_len=2048))
+    if job is None:
+        whole = conversations()
+        covered = covering_preroll_s(whole, *window)
+        stretch, _ = shape(whole, ShapeSpec(window_s=window, preroll_s=covered, max_model_len=2048))
+    else:
+        whole, _ = read_trace(job.trace.path, job.trace.format)
+        covered = covering_preroll_s(whole, *window)
+        spec = ShapeSpec(**{**job.trace.shaping.model_dump(), "preroll_s": covered})
+        stretch, _ = shape(whole, spec)
     return [
         (True, "none (cold)", ()),
         (True, f"the {covered:.0f} s stretch", stretch.preroll),
         (True, "warm set", trace.preroll),
     ]
+
+
+@contextlib.contextmanager
+def _uncut_preroll() -> Iterator[None]:
+    """run_trial without today's cut of the pre-roll to the server's KV cache (prefix caching
+    stays on for every row of ``--compare preroll``, so nothing else of it changes)."""
+    import optimizer.trial as trial_module
+
+    saved = trial_module.bounded_preroll
+    trial_module.bounded_preroll = lambda spec, account, effective: (spec, {})
+    try:
+        yield
+    finally:
+        trial_module.bounded_preroll = saved
 
 
 def _mean(steps: list[dict[str, Any]], key: str) -> float | None:
