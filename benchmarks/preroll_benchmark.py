@@ -25,13 +25,15 @@ Mooncake conversation trace with its prefix blocks), shaped as the job says (its
 clip, output cap), with only the window replaced. ``--stretch-steps N`` gives the stretch's
 trial at most N capacity steps (on a real trace one step of it can take minutes), and that
 row's pre-roll is sent uncut, as the old default sent it: today's trial cuts any pre-roll to
-the server's KV cache. ``--plan-only`` prints what each row would send and starts nothing.
+the server's KV cache. ``--plan-only`` prints what each row would send and starts nothing;
+``--rows warm`` runs only the rows whose label has that word; ``--args '{"FLAG": null}'``
+drops a job's engine argument.
 
 Usage:
     python benchmarks/preroll_benchmark.py examples/cpu-capacity.yaml [--compare preroll] \
         [--args '{"max-num-seqs": 16}'] [--window 270:300] [--max-send-lag-ms 500] [--max-scale 256]
         [--ttft-slo-ms 500] [--tpot-slo-ms 50] [--trace FILE] [--max-steps 12]
-        [--start-scale 0.5] [--stretch-steps 1] [--plan-only]
+        [--start-scale 0.5] [--stretch-steps 1] [--plan-only] [--rows cold,warm]
         [--out runs/preroll-benchmark]
 """
 
@@ -180,6 +182,12 @@ def main() -> int:
     )
     ap.add_argument("--plan-only", action="store_true", help="print the rows, start nothing")
     ap.add_argument(
+        "--rows",
+        default=None,
+        help="only the rows whose label contains one of these words (comma-separated: "
+        "cold,stretch,warm)",
+    )
+    ap.add_argument(
         "--compare",
         choices=["caching", "preroll"],
         default="caching",
@@ -200,7 +208,13 @@ def main() -> int:
     for line in plan.trace_notes:
         print(line)
     args = {**plan.baseline_args, **(json.loads(ns.args) if ns.args else {})}
+    args = {k: v for k, v in args.items() if v is not None}  # null drops a job's argument
     runs = _runs(ns.compare, plan.trace, (start, end), job if ns.trace else None)
+    if ns.rows:
+        wanted = [w.strip() for w in ns.rows.split(",") if w.strip()]
+        runs = [r for r in runs if any(w in r[1] for w in wanted)]
+        if not runs:
+            raise SystemExit(f"--rows {ns.rows!r}: no row's label contains any of {wanted}")
     for caching, label, warm in runs:
         sent = preroll_trace(replace(plan.trace, preroll=warm))
         tokens = sum(r.input_tokens for r in sent.requests)
