@@ -276,6 +276,8 @@ def main() -> int:
             }
         )
         print(json.dumps(rows[-1], default=str), flush=True)
+        # Each row as it ends: a run cut off later keeps the rows it finished.
+        (out / "rows.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
     _print(rows, plan.trace, args, out)
     return 0
 
