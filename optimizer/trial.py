@@ -191,7 +191,7 @@ def run_trial(
         if on_engine_ready is not None:
             on_engine_ready(server)
         account = server.memory_account()
-        inactive = memory_param_problem(spec.engine.args, account.kv_cache_gib if account else None)
+        inactive = memory_param_problem(spec.engine.args, account)
         if inactive is not None:
             return _finish(spec, _inactive(spec, server, inactive))
         spec, warm = bounded_preroll(spec, account, server.effective_config())

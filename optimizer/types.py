@@ -208,6 +208,11 @@ class MemoryAccount:
         max_concurrency: Maximum concurrency for requests of max-model-len tokens.
         cuda_graph_gib: Memory taken by CUDA graphs (GPU builds).
         max_model_len: The max-model-len the engine settled on.
+        memory_utilization: The share of device memory (on the CPU build, of CPU memory) the
+            engine says it sized its KV cache from (``gpu-memory-utilization`` as applied).
+        kv_cache_explicit: True where the engine sized the KV cache in bytes
+            (``kv-cache-memory-bytes``, or ``VLLM_CPU_KVCACHE_SPACE`` on the CPU build), False
+            where it sized it from the memory share, None where it did not say.
     """
 
     weights_gib: float | None = None
@@ -216,6 +221,8 @@ class MemoryAccount:
     max_concurrency: float | None = None
     cuda_graph_gib: float | None = None
     max_model_len: int | None = None
+    memory_utilization: float | None = None
+    kv_cache_explicit: bool | None = None
 
 
 class TrialStatus(enum.StrEnum):

@@ -9,6 +9,12 @@
   tunes ``kv-cache-memory-bytes`` is refused (:func:`kv_env_conflict`), and after a start the
   engine's reported KV cache must match what ``kv-cache-memory-bytes`` asked for
   (:func:`memory_param_problem`), or the trial is not scored.
+- ``gpu-memory-utilization`` sizes the KV cache only when nothing sizes it in bytes (the bytes
+  win on every build; on the CPU build so does ``VLLM_CPU_KVCACHE_SPACE``, and there the flag is
+  the share of CPU memory). A trial that sets it runs without the job-level default variable, a
+  job that fixes the bytes or sets the variable itself while tuning it is refused, and after a
+  start the engine must report the share it applied (or a KV cache sized from it), or the trial
+  is not scored.
 - Prompt token ids come from the model folder's vocabulary, else a range every tokenizer has.
 - A study's servers share compile caches kept in the study folder (vLLM's torch.compile cache,
   Inductor's and Triton's): a later trial, a resumed study, a re-validation or the same study
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from optimizer.engine.flags import normalize_flag
+from optimizer.types import MemoryAccount
 
 __all__ = [
     "EngineDefaults",
@@ -100,67 +107,115 @@ def apply_engine_defaults(
 
 
 _KV_BYTES = "kv-cache-memory-bytes"
+_UTIL = "gpu-memory-utilization"
 _GIB = 1024**3
+
+
+def _arg(args: Mapping[str, Any], flag: str) -> Any:
+    """The value of ``flag`` in ``args`` (any spelling), or None."""
+    for key, value in args.items():
+        if normalize_flag(str(key)) == flag:
+            return value
+    return None
 
 
 def _sizes_kv_in_bytes(args: Mapping[str, Any]) -> Any:
     """The trial's ``kv-cache-memory-bytes`` value (any spelling), or None."""
-    for key, value in args.items():
-        if normalize_flag(str(key)) == _KV_BYTES:
-            return value
-    return None
+    return _arg(args, _KV_BYTES)
 
 
 def trial_env(
     args: Mapping[str, Any], env: Mapping[str, str], *, cpu_build: bool, job_env: Mapping[str, str]
 ) -> dict[str, str]:
     """A trial's server environment: ``env`` (the job's, with the defaults applied) without the
-    CPU build's default ``VLLM_CPU_KVCACHE_SPACE`` when the trial sizes its KV cache in bytes
-    (the variable would override it: every trial of a grid over kv-cache-memory-bytes got the
-    same 1 GiB cache). A value the job itself set stays (such jobs are refused at preparation
-    when the space tunes the bytes: :func:`kv_env_conflict`)."""
+    CPU build's default ``VLLM_CPU_KVCACHE_SPACE`` when the trial sizes its KV cache itself, in
+    bytes or as a share of memory (``gpu-memory-utilization``): the variable would override
+    either (every trial of a grid over kv-cache-memory-bytes got the same 1 GiB cache). A value
+    the job itself set stays (such jobs are refused at preparation when the space tunes either
+    parameter: :func:`kv_env_conflict`)."""
     out = dict(env)
-    if cpu_build and _sizes_kv_in_bytes(args) is not None and KV_CACHE_ENV not in job_env:
+    sizes_itself = _sizes_kv_in_bytes(args) is not None or _arg(args, _UTIL) is not None
+    if cpu_build and sizes_itself and KV_CACHE_ENV not in job_env:
         out.pop(KV_CACHE_ENV, None)
     return out
 
 
 def kv_env_conflict(
-    tuned_flags: Sequence[str], job_env: Mapping[str, str], *, cpu_build: bool
+    tuned_flags: Sequence[str],
+    job_env: Mapping[str, str],
+    *,
+    cpu_build: bool,
+    fixed_args: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """Why a job cannot tune kv-cache-memory-bytes as written (None: it can)."""
+    """Why a job cannot tune kv-cache-memory-bytes or gpu-memory-utilization as written (None:
+    it can). ``fixed_args``: the engine arguments every trial gets (the job's)."""
     flags = {normalize_flag(f).partition(".")[0] for f in tuned_flags}
-    if cpu_build and _KV_BYTES in flags and KV_CACHE_ENV in job_env:
+    for tuned in (_KV_BYTES, _UTIL):
+        if cpu_build and tuned in flags and KV_CACHE_ENV in job_env:
+            return (
+                f"the search space tunes {tuned}, but engine.env sets {KV_CACHE_ENV}, which "
+                f"overrides it on the CPU build (every trial would get the same KV cache): remove "
+                f"{KV_CACHE_ENV} from engine.env"
+            )
+    if _UTIL in flags and fixed_args and _sizes_kv_in_bytes(fixed_args) is not None:
         return (
-            f"the search space tunes {_KV_BYTES}, but engine.env sets {KV_CACHE_ENV}, which "
-            f"overrides it on the CPU build (every trial would get the same KV cache): remove "
-            f"{KV_CACHE_ENV} from engine.env"
+            f"the search space tunes {_UTIL}, but engine.args sets {_KV_BYTES}, which sizes the "
+            f"KV cache instead (every trial would get the same KV cache): remove {_KV_BYTES} "
+            "from engine.args, or tune it instead"
         )
     return None
 
 
-def memory_param_problem(args: Mapping[str, Any], kv_cache_gib: float | None) -> str | None:
-    """Whether the KV cache the engine reports is the one ``kv-cache-memory-bytes`` asked for.
+def memory_param_problem(args: Mapping[str, Any], account: MemoryAccount | None) -> str | None:
+    """Whether the memory parameters a trial set acted on the engine it started.
 
-    Returns a sentence when the parameter did not act (the reported size is off by more than
-    10 % and more than vLLM's two-decimal rounding of GiB), None when it did, when the trial
-    does not set it, or when the engine reported no size (nothing to check).
+    ``kv-cache-memory-bytes``: the KV cache the engine reports must be the size asked for
+    (within 10 % and vLLM's two-decimal rounding of GiB). ``gpu-memory-utilization``: the cache
+    must not have been sized in bytes (by the trial's own bytes, or on the CPU build by
+    ``VLLM_CPU_KVCACHE_SPACE``), and where the engine reports the share it applied, that share
+    must be the one asked for (within 0.005). Returns a sentence when a parameter did not act,
+    None when each acted, when the trial sets neither, or when the engine reported nothing to
+    check.
     """
+    if account is None:
+        return None
     wanted = _sizes_kv_in_bytes(args)
-    if wanted is None or kv_cache_gib is None:
+    if wanted is not None and account.kv_cache_gib is not None:
+        try:
+            wanted_gib = float(wanted) / _GIB
+        except (TypeError, ValueError):
+            wanted_gib = None
+        if wanted_gib is not None and abs(account.kv_cache_gib - wanted_gib) > max(
+            0.1 * wanted_gib, 0.01
+        ):
+            return (
+                f"{_KV_BYTES} asked for {wanted_gib:.3g} GiB of KV cache, but the engine reports "
+                f"{account.kv_cache_gib:.3g} GiB: the parameter did not act (on the CPU build "
+                f"{KV_CACHE_ENV} overrides it), so this trial measures another configuration "
+                "than its label and is not scored"
+            )
+    share = _arg(args, _UTIL)
+    if share is None:
         return None
     try:
-        wanted_gib = float(wanted) / _GIB
+        share_f = float(share)
     except (TypeError, ValueError):
         return None
-    if abs(kv_cache_gib - wanted_gib) <= max(0.1 * wanted_gib, 0.01):
-        return None
-    return (
-        f"{_KV_BYTES} asked for {wanted_gib:.3g} GiB of KV cache, but the engine reports "
-        f"{kv_cache_gib:.3g} GiB: the parameter did not act (on the CPU build "
-        f"{KV_CACHE_ENV} overrides it), so this trial measures another configuration than its "
-        "label and is not scored"
-    )
+    if wanted is not None or account.kv_cache_explicit:
+        by = f"{_KV_BYTES}" if wanted is not None else f"{KV_CACHE_ENV} or {_KV_BYTES}"
+        return (
+            f"{_UTIL} {share_f:g} did not act: the engine sized its KV cache in bytes ({by} "
+            f"overrides the share), so this trial measures another configuration than its label "
+            "and is not scored"
+        )
+    applied = account.memory_utilization
+    if applied is not None and abs(applied - share_f) > 0.005:
+        return (
+            f"{_UTIL} asked for {share_f:g}, but the engine reports that it applied "
+            f"{applied:g}: the parameter did not act, so this trial measures another "
+            "configuration than its label and is not scored"
+        )
+    return None
 
 
 def prompt_token_range(model: str | None, explicit: Sequence[int] | None = None) -> tuple[int, int]:

@@ -169,13 +169,26 @@ _MEM_PATTERNS: dict[str, re.Pattern[str]] = {
     "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
     "kv_cache_gib": re.compile(
         r"Available KV cache memory: ([\d.]+) GiB"
-        r"|Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache"
+        r"|(?:Explicitly|Auto) set \(([\d.]+)/[\d.]+\) GiB for KV cache"
+        r"|reserved ([\d.]+) GiB memory for KV Cache as specified by kv_cache_memory_bytes"
     ),
     "kv_cache_tokens": re.compile(r"KV cache size: ([\d,]+) tokens"),
     "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"),
     "cuda_graph_gib": re.compile(r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB"),
     "max_model_len": re.compile(r"Maximum concurrency for ([\d,]+) tokens per request"),
 }
+
+
+# How the engine sized its KV cache: in bytes (kv-cache-memory-bytes, or VLLM_CPU_KVCACHE_SPACE on
+# the CPU build) or from a share of memory (gpu-memory-utilization), and that share.
+_KV_SIZED = re.compile(
+    r"(?P<bytes>Explicitly set \([\d.]+/[\d.]+\) GiB for KV cache"
+    r"|memory for KV Cache as specified by kv_cache_memory_bytes)"
+    r"|(?P<cpu_share>Auto set \([\d.]+/(?P<total>[\d.]+)\) GiB for KV cache on node \d+, with "
+    r"(?P<requested>[\d.]+) GiB requested memory)"
+    r"|(?P<share>Desired GPU memory utilization is \((?P<util>[\d.]+),"
+    r"|gpu_memory_utilization \((?P<util_old>[\d.]+)\))"
+)
 
 
 def parse_memory_account(log_text: str) -> MemoryAccount:
@@ -187,6 +200,20 @@ def parse_memory_account(log_text: str) -> MemoryAccount:
             continue
         raw = next(g for g in matches[-1].groups() if g is not None).replace(",", "")
         values[key] = int(raw) if key in ("kv_cache_tokens", "max_model_len") else float(raw)
+    sized = list(_KV_SIZED.finditer(log_text))
+    if sized:
+        last = sized[-1]
+        if last["bytes"]:
+            values["kv_cache_explicit"] = True
+        elif last["cpu_share"]:
+            values["kv_cache_explicit"] = False
+            total = float(last["total"])
+            if total > 0:
+                # vLLM asked for ceil(total x share) and prints both rounded to 0.01 GiB.
+                values["memory_utilization"] = round(float(last["requested"]) / total, 3)
+        else:
+            values["kv_cache_explicit"] = False
+            values["memory_utilization"] = float(last["util"] or last["util_old"])
     return MemoryAccount(**values)
 
 

@@ -169,3 +169,26 @@ def test_the_preroll_is_skipped_without_prefix_caching_and_cut_to_the_kv_cache(
     assert [r.prefix_blocks for r in cut.trace.preroll] == [(1, 2, 3, 4)]
     assert note == {"preroll_chains_left_out": 1.0, "preroll_tokens_left_out": 48.0}
     assert cut.trace.requests == spec.trace.requests
+
+
+def test_a_memory_share_the_engine_did_not_take_is_flagged_not_measured(tmp_path: Path) -> None:
+    # gpu-memory-utilization on a server whose KV cache was sized in bytes (on the CPU build by
+    # VLLM_CPU_KVCACHE_SPACE): every label would get the same cache.
+    from dataclasses import replace
+
+    from optimizer.types import MemoryAccount
+
+    spec = _spec(tmp_path)
+    spec = replace(spec, engine=EngineConfig(model="m", args={"gpu-memory-utilization": 0.5}))
+    explicit = MemoryAccount(kv_cache_gib=1.0, kv_cache_tokens=262_144, kv_cache_explicit=True)
+    engine = FakeEngine(memory=explicit)
+    result = trial_mod.run_trial(spec, engine=engine)
+    assert result.status is TrialStatus.FAILED
+    assert result.failure_class is FailureClass.PARAMETER_INACTIVE
+    assert "gpu-memory-utilization 0.5 did not act" in result.message
+    assert result.summary == {} and not result.records and engine.stopped
+    share = MemoryAccount(kv_cache_gib=3.9, memory_utilization=0.5, kv_cache_explicit=False)
+    result = trial_mod.run_trial(
+        replace(spec, workdir=str(tmp_path / "t2")), engine=FakeEngine(memory=share)
+    )
+    assert result.status is TrialStatus.COMPLETE, result.message

