@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 
 from optimizer.capacity.search import StepOutcome, estimate_capacity
 from optimizer.cli_support import load_study_dir
+from optimizer.engine.stack import recorded_stack
 from optimizer.trial_view import TrialView
 
 # Engine arguments every trial of a study shares (the job's), left out of a configuration's key.
@@ -92,18 +93,48 @@ def measurement(trial: Any, noise: float) -> dict[str, Any] | None:
     }
 
 
-def build(folders: list[Path], noise: float) -> dict[str, Any]:
-    """The table: every configuration with its measurements, and how it was made."""
+#: What a repeat's machine and stack must share with the others' to be one table.
+_SAME_MACHINE = ("vllm", "torch", "hardware", "cpu", "cpu_isa")
+
+
+def machine_mismatch(stacks: dict[str, dict[str, str]]) -> list[str]:
+    """``folder: key value, where FIRST has other`` for every repeat whose recorded machine or
+    stack differs from the first folder's (keys a folder did not record are not compared)."""
+    if not stacks:
+        return []
+    first_name, first = next(iter(stacks.items()))
+    out = []
+    for name, stack in list(stacks.items())[1:]:
+        for key in _SAME_MACHINE:
+            if key in stack and key in first and stack[key] != first[key]:
+                out.append(f"{name}: {key} {stack[key]!r}, where {first_name} has {first[key]!r}")
+    return out
+
+
+def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str, Any]:
+    """The table: every configuration with its measurements, and how it was made.
+
+    Repeats measured on different machines or stacks (say, one CPU with AVX-512 and one without)
+    are not one configuration's noise: they are refused unless ``mixed``."""
     configs: dict[str, dict[str, Any]] = {}
     made: list[dict[str, Any]] = []
-    for folder in folders:
-        saved, study = load_study_dir(folder)
+    loaded = [(folder, *load_study_dir(folder)) for folder in folders]
+    stacks = {folder.name: recorded_stack(saved) for folder, saved, _ in loaded}
+    mismatch = machine_mismatch(stacks)
+    if mismatch and not mixed:
+        raise SystemExit(
+            "these repeats were measured on different machines or stacks, so their spread is "
+            "not the table's noise (--mixed-machines to build it anyway):\n  "
+            + "\n  ".join(mismatch)
+        )
+    for folder, saved, study in loaded:
         made.append(
             {
                 "folder": folder.name,
                 "study": saved.get("study"),
                 "vllm": saved.get("vllm"),
                 "hardware": saved.get("hardware"),
+                "stack": stacks[folder.name],
                 "started_at": saved.get("started_at"),
                 "trials": len(study.trials),
             }
@@ -130,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--noise", type=float, default=0.05, help="margin noise for the estimate")
+    ap.add_argument(
+        "--mixed-machines",
+        action="store_true",
+        help="build from repeats whose machines or stacks differ (refused by default)",
+    )
     ns = ap.parse_args(argv)
-    table = build(ns.folders, ns.noise)
+    table = build(ns.folders, ns.noise, mixed=ns.mixed_machines)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     counts = [len(c["measurements"]) for c in table["configs"].values()]

@@ -1,5 +1,7 @@
 """What serves the trials: the engine interpreter's vLLM, torch and transformers, its Python,
-and the machine (GPUs, or the CPU model and its cores).
+and the machine (GPUs, or the CPU model and its cores, and the CPU's vector extensions that
+decide the CPU build's speed: the same "AMD EPYC" with and without AVX-512 serves a bf16 model
+at very different rates).
 
 Versions are read from package metadata in a subprocess of the engine's interpreter (vLLM is
 never imported here). A study records this in ``plan.json`` (``environment``) when it starts;
@@ -22,6 +24,7 @@ from optimizer.engine.gpus import smi_rows
 
 __all__ = [
     "STACK_KEYS",
+    "cpu_isa",
     "gpu_facts",
     "hardware_line",
     "installed_stack",
@@ -30,7 +33,7 @@ __all__ = [
 ]
 
 #: The keys of a stack record, in display order.
-STACK_KEYS = ("vllm", "torch", "transformers", "python", "hardware", "cpu", "gpu_driver")
+STACK_KEYS = ("vllm", "torch", "transformers", "python", "hardware", "cpu", "cpu_isa", "gpu_driver")
 
 _PROBE = r"""
 import json, platform, importlib.metadata as md
@@ -77,6 +80,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The vector extensions the CPU build's kernels choose between (in /proc/cpuinfo's spelling).
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_isa(cpuinfo: str | None = None) -> str:
+    """The CPU's vector extensions among :data:`_ISA_FLAGS`, space-separated ("" if none or
+    unknown): ``cpuinfo`` is /proc/cpuinfo's text (read here when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return " ".join(f for f in _ISA_FLAGS if f in have)
+    return ""
+
+
 def installed_stack(python: str | None = None, *, cpu_build: bool) -> dict[str, str]:
     """What is installed now for the engine's interpreter ``python``, and this machine.
 
@@ -94,6 +116,9 @@ def installed_stack(python: str | None = None, *, cpu_build: bool) -> dict[str, 
         pass
     out["hardware"] = hardware_line(cpu_build)
     out["cpu"] = _cpu_model()
+    isa = cpu_isa()
+    if isa:
+        out["cpu_isa"] = isa
     driver = smi_rows("gpu", "driver_version")
     if driver and not cpu_build:
         out["gpu_driver"] = driver[0][0]

@@ -27,4 +27,21 @@ def test_the_probe_reads_this_interpreter_without_importing_vllm() -> None:
     assert stack["python"] == ".".join(map(str, sys.version_info[:3]))
     assert stack["hardware"].startswith("CPU (") and stack["cpu"]
     assert "vllm" not in sys.modules
-    assert installed_stack("/nonexistent/python", cpu_build=True).keys() == {"hardware", "cpu"}
+    machine_only = installed_stack("/nonexistent/python", cpu_build=True).keys()
+    assert {"hardware", "cpu"} <= machine_only <= {"hardware", "cpu", "cpu_isa"}
+
+
+def test_the_cpu_vector_extensions_are_read_from_cpuinfo() -> None:
+    # Two machines this project ran on, both "AMD EPYC": one without AVX-512 served the small
+    # bf16 model about ten times slower (benchmarks/RESULTS.md, the table's rebuild).
+    from optimizer.engine.stack import cpu_isa
+
+    avx2_only = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n"
+    assert cpu_isa(avx2_only) == "avx2"
+    zen4 = "flags\t: avx2 avx512f avx512_bf16 avx512_vnni avx512bw\n"
+    assert cpu_isa(zen4) == "avx2 avx512f avx512_vnni avx512_bf16"
+    assert cpu_isa("model name\t: x\n") == ""
+    then = {"cpu": "AMD EPYC", "cpu_isa": "avx2 avx512f avx512_bf16"}
+    assert stack_changes(then, {"cpu": "AMD EPYC", "cpu_isa": "avx2"}) == [
+        "cpu_isa: avx2 avx512f avx512_bf16 -> avx2"
+    ]
