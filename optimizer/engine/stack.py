@@ -1,7 +1,7 @@
 """What serves the trials: the engine interpreter's vLLM, torch and transformers, its Python,
-and the machine (GPUs, or the CPU model and its cores, and the CPU's vector extensions that
-decide the CPU build's speed: the same "AMD EPYC" with and without AVX-512 serves a bf16 model
-at very different rates).
+and the machine (GPUs, or the CPU model and its cores, and the CPU's vector extensions, which
+decide which kernels the CPU build runs: a model name such as "AMD EPYC" does not say whether
+AVX-512 or AMX is there).
 
 Versions are read from package metadata in a subprocess of the engine's interpreter (vLLM is
 never imported here). A study records this in ``plan.json`` (``environment``) when it starts;

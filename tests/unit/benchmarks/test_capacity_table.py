@@ -1,6 +1,6 @@
-"""The ground-truth table refuses repeats from different machines (issue 34: the table's
-rebuild found that sessions run on CPUs with and without AVX-512, which serve the small bf16 model
-at very different rates)."""
+"""The ground-truth table refuses repeats from different machines (issue 34: sessions run on a
+Xeon and on an AVX2-only AMD EPYC, and the rebuild job sized on the first failed its SLOs at the
+lowest scale on the second)."""
 
 from __future__ import annotations
 
