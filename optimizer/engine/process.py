@@ -203,11 +203,19 @@ def _kill_group_and_wait(pgid: int, grace_s: float, timeout_s: float = 60.0) -> 
     return not group_alive_pids(pgid)
 
 
+def _remove_rpc_dir(path: object) -> None:
+    """Remove a dead server's IPC socket folder: only one this module made (``vat-rpc-*``)."""
+    if isinstance(path, str) and Path(path).name.startswith(_RPC_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def reap_orphans(grace_s: float = 5.0) -> list[int]:
     """Kill server groups whose owning process is gone; returns the reaped group ids.
 
     A group is killed only when one of its processes still carries the engine id recorded at
-    start, so a recycled group id can never hit an unrelated process.
+    start, so a recycled group id can never hit an unrelated process. The IPC socket folder of
+    every such server (``vat-rpc-*``) is removed with its entry, whether its group was still
+    alive or had died with its guard.
     """
     reaped = []
     for entry in _registry().glob("*.json"):
@@ -222,6 +230,8 @@ def reap_orphans(grace_s: float = 5.0) -> list[int]:
         if _group_has_marker(pgid, str(info["engine_id"])):
             _kill_group_and_wait(pgid, grace_s)
             reaped.append(pgid)
+        if not group_alive_pids(pgid) or not _group_has_marker(pgid, str(info["engine_id"])):
+            _remove_rpc_dir(info.get("rpc_dir"))
         entry.unlink(missing_ok=True)
     return reaped
 
@@ -231,6 +241,7 @@ def reap_orphans(grace_s: float = 5.0) -> list[int]:
 
 #: vLLM's folder for its ZMQ IPC sockets (``vllm.envs``; default: the system's temporary one).
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+_RPC_PREFIX = "vat-rpc-"
 
 
 class EngineProcess:
@@ -308,7 +319,7 @@ class EngineProcess:
             # not the system's temporary one: a server that is killed leaves them behind, and
             # an overnight study would fill /tmp with them. Removed when the server stops.
             if self._rpc_dir is None:
-                self._rpc_dir = tempfile.mkdtemp(prefix="vat-rpc-")
+                self._rpc_dir = tempfile.mkdtemp(prefix=_RPC_PREFIX)
             env[RPC_DIR_ENV] = self._rpc_dir
         return env
 
@@ -475,6 +486,7 @@ class EngineProcess:
                     "owner_pid": me.pid,
                     "owner_create_time": me.create_time(),
                     "log": str(self.log_path),
+                    "rpc_dir": self._rpc_dir,
                 }
             )
         )

@@ -241,9 +241,14 @@ def test_guard_killed_too_orphans_are_reaped_on_next_start(
     time.sleep(1.0)
     survivors = group_alive_pids(pgid)
     assert survivors, "without the guard the server survives: this is what reaping is for"
+    from optimizer.engine.process import _registry
+
+    entry = json.loads((_registry() / f"{pgid}.json").read_text())
+    assert entry["rpc_dir"] and Path(entry["rpc_dir"]).is_dir()  # its sockets, left behind
     reaped = reap_orphans()
     assert pgid in reaped
     assert group_alive_pids(pgid) == []
+    assert not Path(entry["rpc_dir"]).exists()  # removed with the server
 
 
 def test_invalid_value_is_classified_invalid_argument(

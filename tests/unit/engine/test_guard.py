@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from optimizer.engine.guard import process_start_time
 from optimizer.engine.process import _kill_group_and_wait, group_alive_pids
 
@@ -157,3 +159,41 @@ def test_the_guard_is_imported_from_this_source_tree() -> None:
         check=True,
     ).stdout.strip()
     assert Path(out) == root / "optimizer" / "engine" / "guard.py"
+
+
+def test_a_dead_servers_socket_folder_goes_with_its_registry_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server killed together with its guard left its vat-rpc-* folder behind: the reaper
+    # removed the registry entry but not the folder (noticed in issue 34's sessions).
+    import json
+
+    from optimizer.engine.process import reap_orphans
+
+    monkeypatch.setenv("VLLM_AUTOTUNE_CACHE", str(tmp_path / "cache"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # a real owner that has exited
+    gone.wait()
+    registry = tmp_path / "cache" / "engines"
+    registry.mkdir(parents=True)
+    sockets = tmp_path / "vat-rpc-abc"
+    sockets.mkdir()
+    (sockets / "some-uuid").write_text("")
+    kept = tmp_path / "not-ours"  # a folder this module did not make is never removed
+    kept.mkdir()
+    for name, folder in (("1", sockets), ("2", kept)):
+        (registry / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "pgid": gone.pid,  # no live process in it carries the engine id
+                    "engine_id": f"dead-{name}",
+                    "owner_pid": gone.pid,
+                    "owner_create_time": 0.0,
+                    "log": "x",
+                    "rpc_dir": str(folder),
+                }
+            )
+        )
+    assert reap_orphans() == []  # nothing alive to kill ...
+    assert not sockets.exists()  # ... but its socket folder is removed
+    assert kept.exists()
+    assert list(registry.iterdir()) == []
