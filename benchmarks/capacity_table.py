@@ -98,16 +98,19 @@ _SAME_MACHINE = ("vllm", "torch", "hardware", "cpu", "cpu_isa")
 
 
 def machine_mismatch(stacks: dict[str, dict[str, str]]) -> list[str]:
-    """``folder: key value, where FIRST has other`` for every repeat whose recorded machine or
-    stack differs from the first folder's (keys a folder did not record are not compared)."""
-    if not stacks:
-        return []
-    first_name, first = next(iter(stacks.items()))
+    """``folder: key value, where OTHER has other`` for every repeat whose recorded machine or
+    stack differs, key by key, from the first folder that recorded that key (a key a folder
+    did not record is not compared: older folders have no ``cpu_isa``)."""
     out = []
-    for name, stack in list(stacks.items())[1:]:
-        for key in _SAME_MACHINE:
-            if key in stack and key in first and stack[key] != first[key]:
-                out.append(f"{name}: {key} {stack[key]!r}, where {first_name} has {first[key]!r}")
+    for key in _SAME_MACHINE:
+        first: tuple[str, str] | None = None
+        for name, stack in stacks.items():
+            if key not in stack:
+                continue
+            if first is None:
+                first = (name, stack[key])
+            elif stack[key] != first[1]:
+                out.append(f"{name}: {key} {stack[key]!r}, where {first[0]} has {first[1]!r}")
     return out
 
 
@@ -119,7 +122,7 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
     configs: dict[str, dict[str, Any]] = {}
     made: list[dict[str, Any]] = []
     loaded = [(folder, *load_study_dir(folder)) for folder in folders]
-    stacks = {folder.name: recorded_stack(saved) for folder, saved, _ in loaded}
+    stacks = {str(folder): recorded_stack(saved) for folder, saved, _ in loaded}
     mismatch = machine_mismatch(stacks)
     if mismatch and not mixed:
         raise SystemExit(
@@ -134,7 +137,7 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
                 "study": saved.get("study"),
                 "vllm": saved.get("vllm"),
                 "hardware": saved.get("hardware"),
-                "stack": stacks[folder.name],
+                "stack": stacks[str(folder)],
                 "started_at": saved.get("started_at"),
                 "trials": len(study.trials),
             }

@@ -315,7 +315,10 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         _validate_flags(install, space, engine_args, baseline)
     _refuse_unstated_speculation(job, space, engine_args, baseline)
     conflict = kv_env_conflict(
-        list(space.params), job.engine.env, cpu_build=is_cpu, fixed_args=job.engine.args
+        list(space.params),
+        job.engine.env,
+        cpu_build=is_cpu,
+        fixed_args={**job.engine.args, **space.fixed_args()},
     )
     if conflict:
         raise ConfigError(f"job {job.name!r}: {conflict}")

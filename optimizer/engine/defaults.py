@@ -10,11 +10,13 @@
   engine's reported KV cache must match what ``kv-cache-memory-bytes`` asked for
   (:func:`memory_param_problem`), or the trial is not scored.
 - ``gpu-memory-utilization`` sizes the KV cache only when nothing sizes it in bytes (the bytes
-  win on every build; on the CPU build so does ``VLLM_CPU_KVCACHE_SPACE``, and there the flag is
-  the share of CPU memory). A trial that sets it runs without the job-level default variable, a
-  job that fixes the bytes or sets the variable itself while tuning it is refused, and after a
-  start the engine must report the share it applied (or a KV cache sized from it), or the trial
-  is not scored.
+  win on every build). On the CPU build the flag is the share of the machine's memory, and every
+  server here has its cache sized in bytes (``VLLM_CPU_KVCACHE_SPACE``, or the trial's
+  ``kv-cache-memory-bytes``), so that a server never takes 80-95 % of the memory it shares with
+  the client and the tuner: a CPU job that tunes the share is refused, as is any job that tunes
+  it while the bytes are fixed or tuned too (:func:`kv_env_conflict`). After a start, a trial that
+  set the share (and no bytes of its own) must find the engine reporting that share, or it is
+  not scored.
 - Prompt token ids come from the model folder's vocabulary, else a range every tokenizer has.
 - A study's servers share compile caches kept in the study folder (vLLM's torch.compile cache,
   Inductor's and Triton's): a later trial, a resumed study, a re-validation or the same study
@@ -128,14 +130,12 @@ def trial_env(
     args: Mapping[str, Any], env: Mapping[str, str], *, cpu_build: bool, job_env: Mapping[str, str]
 ) -> dict[str, str]:
     """A trial's server environment: ``env`` (the job's, with the defaults applied) without the
-    CPU build's default ``VLLM_CPU_KVCACHE_SPACE`` when the trial sizes its KV cache itself, in
-    bytes or as a share of memory (``gpu-memory-utilization``): the variable would override
-    either (every trial of a grid over kv-cache-memory-bytes got the same 1 GiB cache). A value
-    the job itself set stays (such jobs are refused at preparation when the space tunes either
-    parameter: :func:`kv_env_conflict`)."""
+    CPU build's default ``VLLM_CPU_KVCACHE_SPACE`` when the trial sizes its KV cache in bytes
+    (the variable would override it: every trial of a grid over kv-cache-memory-bytes got the
+    same 1 GiB cache). A value the job itself set stays (such jobs are refused at preparation
+    when the space tunes the bytes: :func:`kv_env_conflict`)."""
     out = dict(env)
-    sizes_itself = _sizes_kv_in_bytes(args) is not None or _arg(args, _UTIL) is not None
-    if cpu_build and sizes_itself and KV_CACHE_ENV not in job_env:
+    if cpu_build and _sizes_kv_in_bytes(args) is not None and KV_CACHE_ENV not in job_env:
         out.pop(KV_CACHE_ENV, None)
     return out
 
@@ -148,20 +148,31 @@ def kv_env_conflict(
     fixed_args: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Why a job cannot tune kv-cache-memory-bytes or gpu-memory-utilization as written (None:
-    it can). ``fixed_args``: the engine arguments every trial gets (the job's)."""
+    it can). ``fixed_args``: the engine arguments every trial gets (the job's and the space's
+    fixed ones)."""
     flags = {normalize_flag(f).partition(".")[0] for f in tuned_flags}
-    for tuned in (_KV_BYTES, _UTIL):
-        if cpu_build and tuned in flags and KV_CACHE_ENV in job_env:
-            return (
-                f"the search space tunes {tuned}, but engine.env sets {KV_CACHE_ENV}, which "
-                f"overrides it on the CPU build (every trial would get the same KV cache): remove "
-                f"{KV_CACHE_ENV} from engine.env"
-            )
-    if _UTIL in flags and fixed_args and _sizes_kv_in_bytes(fixed_args) is not None:
+    if cpu_build and _KV_BYTES in flags and KV_CACHE_ENV in job_env:
         return (
-            f"the search space tunes {_UTIL}, but engine.args sets {_KV_BYTES}, which sizes the "
-            f"KV cache instead (every trial would get the same KV cache): remove {_KV_BYTES} "
-            "from engine.args, or tune it instead"
+            f"the search space tunes {_KV_BYTES}, but engine.env sets {KV_CACHE_ENV}, which "
+            f"overrides it on the CPU build (every trial would get the same KV cache): remove "
+            f"{KV_CACHE_ENV} from engine.env"
+        )
+    if _UTIL not in flags:
+        return None
+    if cpu_build:
+        return (
+            f"the search space tunes {_UTIL}, which never acts on the CPU build here: every "
+            f"server's KV cache is sized in bytes ({KV_CACHE_ENV} from engine.kv_cache_gib, or "
+            f"{_KV_BYTES}), so that no server takes most of the memory it shares with the "
+            f"client (on this build the flag is the share of the machine's memory): tune "
+            f"{_KV_BYTES} instead, or use a CPU preset such as cpu-small"
+        )
+    if _KV_BYTES in flags or (fixed_args and _sizes_kv_in_bytes(fixed_args) is not None):
+        return (
+            f"the search space tunes {_UTIL}, but {_KV_BYTES} is "
+            f"{'tuned' if _KV_BYTES in flags else 'fixed'} too and sizes the KV cache instead "
+            f"(vLLM ignores the share then): tune one of them, or remove {_KV_BYTES} from the "
+            "fixed arguments"
         )
     return None
 
@@ -170,10 +181,11 @@ def memory_param_problem(args: Mapping[str, Any], account: MemoryAccount | None)
     """Whether the memory parameters a trial set acted on the engine it started.
 
     ``kv-cache-memory-bytes``: the KV cache the engine reports must be the size asked for
-    (within 10 % and vLLM's two-decimal rounding of GiB). ``gpu-memory-utilization``: the cache
-    must not have been sized in bytes (by the trial's own bytes, or on the CPU build by
-    ``VLLM_CPU_KVCACHE_SPACE``), and where the engine reports the share it applied, that share
-    must be the one asked for (within 0.005). Returns a sentence when a parameter did not act,
+    (within 10 % and vLLM's two-decimal rounding of GiB). ``gpu-memory-utilization`` (checked
+    only where the trial sets no bytes of its own, which win by vLLM's design): the cache must
+    not have been sized in bytes (on the CPU build by ``VLLM_CPU_KVCACHE_SPACE``), and where the
+    engine reports the share it applied, that share must be the one asked for (within 0.006:
+    older vLLM prints two decimals). Returns a sentence when a parameter did not act,
     None when each acted, when the trial sets neither, or when the engine reported nothing to
     check.
     """
@@ -195,21 +207,23 @@ def memory_param_problem(args: Mapping[str, Any], account: MemoryAccount | None)
                 "than its label and is not scored"
             )
     share = _arg(args, _UTIL)
-    if share is None:
+    if share is None or wanted is not None:
+        # Bytes of the trial's own win over the share by vLLM's design; preparation refuses a
+        # space that tunes the share beside them (kv_env_conflict).
         return None
     try:
         share_f = float(share)
     except (TypeError, ValueError):
         return None
-    if wanted is not None or account.kv_cache_explicit:
-        by = f"{_KV_BYTES}" if wanted is not None else f"{KV_CACHE_ENV} or {_KV_BYTES}"
+    if account.kv_cache_explicit:
         return (
-            f"{_UTIL} {share_f:g} did not act: the engine sized its KV cache in bytes ({by} "
-            f"overrides the share), so this trial measures another configuration than its label "
-            "and is not scored"
+            f"{_UTIL} {share_f:g} did not act: the engine sized its KV cache in bytes "
+            f"({KV_CACHE_ENV} on the CPU build, or {_KV_BYTES} in the job), so this trial "
+            "measures another configuration than its label and is not scored"
         )
     applied = account.memory_utilization
-    if applied is not None and abs(applied - share_f) > 0.005:
+    # Older vLLM prints the share with two decimals: 0.925 reads 0.93.
+    if applied is not None and abs(applied - share_f) > 0.006:
         return (
             f"{_UTIL} asked for {share_f:g}, but the engine reports that it applied "
             f"{applied:g}: the parameter did not act, so this trial measures another "

@@ -204,9 +204,13 @@ def _kill_group_and_wait(pgid: int, grace_s: float, timeout_s: float = 60.0) -> 
 
 
 def _remove_rpc_dir(path: object) -> None:
-    """Remove a dead server's IPC socket folder: only one this module made (``vat-rpc-*``)."""
-    if isinstance(path, str) and Path(path).name.startswith(_RPC_PREFIX):
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a dead server's IPC socket folder: only one this module made (``vat-rpc-*`` in
+    the temporary folder)."""
+    if not isinstance(path, str):
+        return
+    folder = Path(path)
+    if folder.name.startswith(_RPC_PREFIX) and folder.parent == Path(tempfile.gettempdir()):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def reap_orphans(grace_s: float = 5.0) -> list[int]:

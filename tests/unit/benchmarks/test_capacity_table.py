@@ -23,8 +23,13 @@ def test_a_mismatch_names_the_folder_the_key_and_both_values() -> None:
     assert machine_mismatch({"r2": xeon, "r4": epyc}) == [
         "r4: cpu 'AMD EPYC', where r2 has 'Intel(R) Xeon(R) Processor'"
     ]
-    # A key one folder did not record is unknown, not a difference.
+    # A key one folder did not record is unknown, not a difference ...
     assert machine_mismatch({"r2": xeon, "r5": {"cpu_isa": "avx2", **xeon}}) == []
+    # ... but two later folders that recorded it are compared with each other.
+    wide = {"cpu_isa": "avx2 avx512f", **xeon}
+    assert machine_mismatch({"r2": xeon, "r5": {"cpu_isa": "avx2", **xeon}, "r6": wide}) == [
+        "r6: cpu_isa 'avx2 avx512f', where r5 has 'avx2'"
+    ]
 
 
 def test_the_table_is_built_from_one_machines_repeats_only(tmp_path: Path) -> None:

@@ -269,14 +269,17 @@ def test_a_memory_share_that_did_not_act_is_named() -> None:
     assert memory_param_problem({"gpu-memory-utilization": 0.92}, share) is None
     moved = memory_param_problem({"gpu_memory_utilization": 0.85}, share)
     assert moved and "asked for 0.85" in moved and "applied 0.92" in moved
-    # Sized in bytes (the trial's own bytes, or VLLM_CPU_KVCACHE_SPACE): the share is inert.
+    # Sized in bytes by VLLM_CPU_KVCACHE_SPACE (e.g. `run --engine-arg` on the CPU build): inert.
     inert = memory_param_problem({"gpu-memory-utilization": 0.5}, parse_memory_account(CPU_LOG))
-    assert inert and "did not act" in inert and "VLLM_CPU_KVCACHE_SPACE" in inert
-    both = memory_param_problem(
-        {"gpu-memory-utilization": 0.8, "kv-cache-memory-bytes": 30 << 30},
-        parse_memory_account(H200_BYTES_LOG),
-    )
-    assert both and "gpu-memory-utilization 0.8 did not act" in both
+    assert inert and "gpu-memory-utilization 0.5 did not act" in inert
+    assert "VLLM_CPU_KVCACHE_SPACE" in inert
+    # The trial's own bytes win by vLLM's design (a share fixed beside tuned bytes is no fault
+    # of the trial; preparation refuses a space that tunes the share beside bytes).
+    both = {"gpu-memory-utilization": 0.8, "kv-cache-memory-bytes": 30 << 30}
+    assert memory_param_problem(both, parse_memory_account(H200_BYTES_LOG)) is None
+    # Older vLLM prints two decimals: 0.925 reads 0.93 and acted.
+    old = parse_memory_account(OLD_GPU_SHARE_LOG.replace("0.85", "0.93"))
+    assert memory_param_problem({"gpu-memory-utilization": 0.925}, old) is None
     cpu = parse_memory_account(CPU_SHARE_LOG)
     assert memory_param_problem({"gpu-memory-utilization": 0.2}, cpu) is None
     assert memory_param_problem({"gpu-memory-utilization": 0.4}, cpu) is not None
@@ -294,23 +297,52 @@ def test_a_memory_share_that_did_not_act_is_named() -> None:
     assert memory_param_problem({"kv-cache-memory-bytes": 10 << 30}, in_bytes) is not None
 
 
-def test_a_trial_that_tunes_the_memory_share_runs_without_the_cpu_kv_variable() -> None:
+def test_a_job_whose_memory_share_could_not_act_is_refused() -> None:
     from optimizer.engine.defaults import KV_CACHE_ENV, kv_env_conflict, trial_env
 
+    # The CPU build: every server's cache is sized in bytes (a share of 0.8-0.95 of the
+    # machine's memory beside the client and the tuner would be a hazard), so the share never
+    # acts there and a space that tunes it is refused; the job-level variable stays.
     job_level = {KV_CACHE_ENV: "1"}
-    assert trial_env({"gpu-memory-utilization": 0.3}, job_level, cpu_build=True, job_env={}) == {}
-    mine = {KV_CACHE_ENV: "1"}
-    assert trial_env({"gpu-memory-utilization": 0.3}, mine, cpu_build=True, job_env=mine) == mine
-    problem = kv_env_conflict(["gpu-memory-utilization"], mine, cpu_build=True)
-    assert problem and "tunes gpu-memory-utilization" in problem
-    assert kv_env_conflict(["gpu-memory-utilization"], mine, cpu_build=False) is None
+    share = {"gpu-memory-utilization": 0.3}
+    assert trial_env(share, job_level, cpu_build=True, job_env={}) == job_level
+    for env in ({}, {KV_CACHE_ENV: "1"}):
+        problem = kv_env_conflict(["gpu-memory-utilization"], env, cpu_build=True)
+        assert problem and "never acts on the CPU build" in problem
+        assert "tune kv-cache-memory-bytes instead" in problem
+    assert kv_env_conflict(["gpu-memory-utilization"], {}, cpu_build=False) is None
+    # The bytes win over the share on every build: fixed or tuned beside it, refused.
     fixed = kv_env_conflict(
         ["gpu-memory-utilization"], {}, cpu_build=False, fixed_args={"kv_cache_memory_bytes": 1}
     )
-    assert fixed and "remove kv-cache-memory-bytes from engine.args" in fixed
+    assert fixed and "kv-cache-memory-bytes is fixed too" in fixed
+    tuned = kv_env_conflict(
+        ["gpu-memory-utilization", "kv-cache-memory-bytes"], {}, cpu_build=False
+    )
+    assert tuned and "kv-cache-memory-bytes is tuned too" in tuned
     assert (
         kv_env_conflict(
             ["max-num-seqs"], {}, cpu_build=False, fixed_args={"kv-cache-memory-bytes": 1}
         )
         is None
     )
+
+
+def test_a_cpu_job_that_tunes_the_memory_share_is_refused_at_preparation(tmp_path: Path) -> None:
+    from optimizer.config import load_job
+    from optimizer.errors import ConfigError
+    from optimizer.study import prepare
+    from tests.unit.capacity.test_capacity_study import _job
+
+    space = {
+        "name": "share",
+        "params": {"gpu-memory-utilization": {"type": "float", "low": 0.8, "high": 0.95}},
+    }
+    loaded, base = load_job(_job(tmp_path, search_space=space, enqueue=[]), base=tmp_path)
+    from optimizer.engine.stack import gpu_facts
+
+    if gpu_facts()[0]:
+        pytest.skip("a GPU is here: prepare takes the GPU build, where the share acts")
+    with pytest.raises(ConfigError, match="never acts on the CPU build"):
+        prepare(loaded, base, check_flags=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -167,10 +167,12 @@ def test_a_dead_servers_socket_folder_goes_with_its_registry_entry(
     # A server killed together with its guard left its vat-rpc-* folder behind: the reaper
     # removed the registry entry but not the folder (noticed in issue 34's sessions).
     import json
+    import tempfile
 
     from optimizer.engine.process import reap_orphans
 
     monkeypatch.setenv("VLLM_AUTOTUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where servers' folders are made
     gone = subprocess.Popen([sys.executable, "-c", "pass"])  # a real owner that has exited
     gone.wait()
     registry = tmp_path / "cache" / "engines"
@@ -180,7 +182,9 @@ def test_a_dead_servers_socket_folder_goes_with_its_registry_entry(
     (sockets / "some-uuid").write_text("")
     kept = tmp_path / "not-ours"  # a folder this module did not make is never removed
     kept.mkdir()
-    for name, folder in (("1", sockets), ("2", kept)):
+    elsewhere = tmp_path / "cache" / "vat-rpc-elsewhere"  # nor one outside the temporary folder
+    elsewhere.mkdir(parents=True)
+    for name, folder in (("1", sockets), ("2", kept), ("3", elsewhere)):
         (registry / f"{name}.json").write_text(
             json.dumps(
                 {
@@ -195,5 +199,5 @@ def test_a_dead_servers_socket_folder_goes_with_its_registry_entry(
         )
     assert reap_orphans() == []  # nothing alive to kill ...
     assert not sockets.exists()  # ... but its socket folder is removed
-    assert kept.exists()
+    assert kept.exists() and elsewhere.exists()
     assert list(registry.iterdir()) == []
