@@ -271,6 +271,16 @@ def _validate_flags(
             validate_engine_args({flag: value}, flags)
 
 
+def _refuse_memory_params_that_cannot_act(job: JobConfig, space: SearchSpace, is_cpu: bool) -> None:
+    """A tuned memory parameter that something else overrides is refused (issue 34)."""
+    fixed = {**job.engine.args, **space.fixed_args()}
+    conflict = kv_env_conflict(
+        list(space.params), job.engine.env, cpu_build=is_cpu, fixed_args=fixed
+    )
+    if conflict:
+        raise ConfigError(f"job {job.name!r}: {conflict}")
+
+
 def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
     """Validate a job completely and build its plan; nothing is started.
 
@@ -314,14 +324,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
     if install is not None:
         _validate_flags(install, space, engine_args, baseline)
     _refuse_unstated_speculation(job, space, engine_args, baseline)
-    conflict = kv_env_conflict(
-        list(space.params),
-        job.engine.env,
-        cpu_build=is_cpu,
-        fixed_args={**job.engine.args, **space.fixed_args()},
-    )
-    if conflict:
-        raise ConfigError(f"job {job.name!r}: {conflict}")
+    _refuse_memory_params_that_cannot_act(job, space, is_cpu)
 
     token_range = prompt_token_range(model, job.trace.token_range)
     model_max = model_info(model).max_position_embeddings if local_model else None
