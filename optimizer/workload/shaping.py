@@ -316,7 +316,12 @@ def covering_preroll_s(trace: Trace, start_s: float, end_s: float | None) -> flo
             node, found = child, last_seen[child]
         if found is not None:
             earliest = min(earliest, found)
-    return start_s - earliest
+    covered = start_s - earliest
+    # In floats start - (start - earliest) can land above earliest (545.892 - 300.518 is
+    # 245.37400000000002, not 245.374): widen by ulps until the stretch holds that request.
+    while start_s - covered > earliest:
+        covered = math.nextafter(covered, math.inf)
+    return covered
 
 
 def _block_count(request: TraceRequest, block_size: int) -> int:

@@ -281,3 +281,21 @@ def test_a_preroll_larger_than_the_kv_cache_keeps_what_the_window_reuses_most() 
     sent = preroll_trace(shaped, max_tokens=100)
     assert [r.prefix_blocks for r in sent.requests] == [(1, 2, 3, 4), (7, 8)]
     assert preroll_left_out(shaped, 100) == (1, 3 * BLOCK)
+
+
+def test_the_covering_stretch_holds_its_oldest_request_despite_float_rounding() -> None:
+    # 545.892 - (545.892 - 245.374) is 245.37400000000002 in floats: a stretch of exactly
+    # start - arrival used to leave out the very request it was measured to (seen on the
+    # Mooncake trace: 2,719 requests instead of 2,720).
+    blocks = (1, 2)
+    trace = Trace(
+        (
+            TraceRequest(245.374, 2 * BLOCK, 4, blocks, "a"),
+            TraceRequest(545.892, 3 * BLOCK, 4, (*blocks, 3), "a"),
+        ),
+        block_size=BLOCK,
+    )
+    covered = covering_preroll_s(trace, 545.892, 560.0)
+    assert covered == pytest.approx(300.518)
+    stretch, _ = preroll(trace, 545.892, 560.0, preroll_s=covered)
+    assert len(stretch.preroll) == 1
