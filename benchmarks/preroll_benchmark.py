@@ -16,9 +16,11 @@ pre-rolls and steps together).
 
 ``--compare preroll`` (issue 34) runs three trials with prefix caching on instead: no pre-roll
 (cold), the stretch back to the window's oldest prefix reference (the default until issue 34:
-every request of it), and the window's warm set (today's default: one prefill-only request per
-prefix chain the window reuses), with the pre-roll's prompt tokens and seconds per step beside
-the rest.
+every request of it), the window's warm set (today's default: one prefill-only request per
+prefix chain the window reuses, sent once per server and kept between steps while the KV cache
+holds it and the steps since, :class:`~optimizer.capacity.measure.StepRunner`), and the warm
+set sent before every step after a prefix-cache reset (how it was sent until then), with the
+pre-roll's prompt tokens and seconds per step (0 for a step that kept it) beside the rest.
 
 ``--trace FILE`` replays a recorded trace instead (any format the importers read, e.g. the
 Mooncake conversation trace with its prefix blocks), shaped as the job says (its length scale,
@@ -246,6 +248,9 @@ def main() -> int:
             # trial cuts every pre-roll to it. This row measures the old behaviour.
             with _uncut_preroll():
                 result = run_trial(spec)
+        elif "every step" in label:
+            with _warm_set_every_step():
+                result = run_trial(spec)
         else:
             result = run_trial(spec)
         cap = dict(result.capacity or {})
@@ -260,6 +265,7 @@ def main() -> int:
                 "preroll_tokens_per_step": _mean(steps, "preroll_tokens"),
                 "preroll_s_per_step": _mean(steps, "preroll_s"),
                 "replay_s_per_step": _mean(steps, "replay_s"),
+                "warm_set_kept_steps": sum(s.get("warm_set") == "kept" for s in steps),
                 "preroll_requests": len(spec.trace.preroll),
                 "window_reuse": prefix_reuse_ratio(spec.trace, spec.trace.preroll),
                 "status": result.status.value,
@@ -309,6 +315,7 @@ def _runs(
         (True, "none (cold)", ()),
         (True, f"the {covered:.0f} s stretch", stretch.preroll),
         (True, "warm set", trace.preroll),
+        (True, "warm set, sent every step", trace.preroll),
     ]
 
 
@@ -324,6 +331,22 @@ def _uncut_preroll() -> Iterator[None]:
         yield
     finally:
         trial_module.bounded_preroll = saved
+
+
+@contextlib.contextmanager
+def _warm_set_every_step() -> Iterator[None]:
+    """run_trial with the pre-roll sent before every step after a prefix-cache reset (the
+    StepRunner's ``keep_warm_set=False``: how steps were warmed before they kept it)."""
+    import functools
+
+    import optimizer.capacity.trial as capacity_trial
+
+    saved = capacity_trial.StepRunner
+    capacity_trial.StepRunner = functools.partial(saved, keep_warm_set=False)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        capacity_trial.StepRunner = saved  # type: ignore[misc]
 
 
 def _mean(steps: list[dict[str, Any]], key: str) -> float | None:
@@ -343,6 +366,7 @@ def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: 
         "pre-roll",
         "pre-roll tokens / step",
         "pre-roll s / step",
+        "kept / steps",
         "window reuse",
         "capacity req/s",
         "bracket req/s",
@@ -359,6 +383,7 @@ def _print(rows: list[dict[str, Any]], trace: Trace, args: dict[str, Any], out: 
             f"{r['preroll_kind']}: {r['preroll_requests']} requests" if r["preroll"] else "none",
             "-" if r["preroll_tokens_per_step"] is None else f"{r['preroll_tokens_per_step']:,.0f}",
             "-" if r["preroll_s_per_step"] is None else f"{r['preroll_s_per_step']:.2f}",
+            f"{r.get('warm_set_kept_steps', 0)} / {r['steps']}",
             f"{r['window_reuse']:.0%}",
             "-" if r["capacity_rps"] is None else f"{r['capacity_rps']:.3g}",
             "-"

@@ -194,6 +194,8 @@ def run_trial(
         inactive = memory_param_problem(spec.engine.args, account)
         if inactive is not None:
             return _finish(spec, _inactive(spec, server, inactive))
+        if account is not None and account.kv_cache_tokens:
+            spec = replace(spec, kv_cache_tokens=int(account.kv_cache_tokens))
         spec, warm = bounded_preroll(spec, account, server.effective_config())
         if spec.capacity is not None:
             reporter.phase("capacity search")

@@ -270,6 +270,9 @@ class TrialSpec:
             :class:`CapacitySettings`) instead of one fixed-load replay.
         preload_next: Once this trial's server is healthy, its runner may prepare the next
             trial's interpreter on the same GPUs (``engine.preload``).
+        kv_cache_tokens: The started server's KV cache in tokens (set by the trial once the
+            server reports it; None: unknown). A capacity search keeps the pre-roll's warm set
+            cached between steps while it and the tokens sent since fit.
     """
 
     number: int
@@ -287,6 +290,7 @@ class TrialSpec:
     max_send_lag_ms: float = 10.0
     capacity: CapacitySettings | None = None
     preload_next: bool = False
+    kv_cache_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 - :mod:`optimizer.capacity.search`: the pure rate search (bracket, bisect, repeat near-threshold
   steps) over a ``measure(scale)`` callable;
 - :mod:`optimizer.capacity.measure`: steps on one running server (the trace rescaled, fresh
-  prompts, no request in flight and the prefix cache reset between steps).
+  prompts, no request in flight and the prefix cache reset between steps; a windowed trace's
+  warm set sent once and kept instead).
 """
 
 from optimizer.capacity.search import CapacityResult, CapacitySettings, StepOutcome, search_capacity

@@ -9,13 +9,20 @@ server that was started once for the whole trial:
   and **fresh prompts** (a new seed: no prompt token of an earlier step can hit the prefix cache;
   the trace's own prefix sharing is kept inside the step), with early stop once the step's SLOs
   are out of reach;
-- a windowed trace's pre-roll (:attr:`~optimizer.types.Trace.preroll`) is sent by every step's
-  replay before its clock starts, with the step's own seed, so it runs after every prefix-cache
-  reset (and a re-run's) and warms the cache with exactly the prefixes the step will send; its
-  requests are in no step's records (the step's ``preroll_requests`` counts them);
+- a windowed trace's pre-roll (:attr:`~optimizer.types.Trace.preroll`, the warm set) is sent
+  once per server, before the first step's clock starts: its blocks have a seed of their own
+  (``ReplayOptions.warm_seed``), the same in every step, while every other token is the step's,
+  so each step finds exactly the warm set cached and nothing of an earlier step. It is sent
+  again before a step only when the tokens sent since it was last sent, with it, exceed the
+  server's KV cache (:attr:`StepRunner.kv_cache_tokens`; unknown: before every step), so they
+  could have evicted some of it; the blocks still cached then hit, and only the evicted ones
+  are computed again. Its requests are in no step's records (a step's ``preroll_requests``
+  counts them, 0 where the warm set was kept);
 - between steps, no request is left in flight (the server's running and waiting gauges are read
-  until both are 0) and the prefix cache is reset with ``POST /reset_prefix_cache`` where the
-  server offers it (``VLLM_SERVER_DEV_MODE=1``); which of the two isolated the steps is recorded;
+  until both are 0) and, for a trace without a pre-roll, the prefix cache is reset with
+  ``POST /reset_prefix_cache`` where the server offers it (``VLLM_SERVER_DEV_MODE=1``); with a
+  pre-roll it is not (that would drop the warm set; fresh prompts keep the steps apart);
+  what isolated the steps is recorded;
 - requests an early stop never sent, or cancelled, are outside the measured window: they are not
   errors of the server.
 
@@ -41,7 +48,7 @@ from optimizer.errors import ClientCouldNotKeepUp
 from optimizer.types import RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
-from optimizer.workload.shaping import scale_rate
+from optimizer.workload.shaping import preroll_trace, scale_rate
 from optimizer.workload.stats import BURST_WINDOW_S, largest_burst
 
 __all__ = [
@@ -155,6 +162,11 @@ class StepRunner:
         drain_timeout_s: How long to wait for the server to empty between steps.
         full_at_or_below: Steps at or below this scale run without early stop, so a
             configuration that fails at the lowest scale is judged on a full window.
+        kv_cache_tokens: The server's KV cache in tokens (None: unknown): while the warm set
+            and the tokens sent since it was sent fit, nothing of it can have been evicted.
+        keep_warm_set: Send the pre-roll once and keep it (the module's rule). False: reset
+            the prefix cache between steps and send the pre-roll before every step with the
+            step's seed, as before issue 34 (the comparison row of the pre-roll benchmark).
 
     A step inside a bracket already measured (above a passed step, below a failed one: the
     bisection's steps, near the capacity) also runs without early stop: its margins are what
@@ -178,9 +190,12 @@ class StepRunner:
     drain_timeout_s: float = 120.0
     full_at_or_below: float = 0.0
     replay: Callable[..., ReplayResult] = run_replay
+    kv_cache_tokens: int | None = None
+    keep_warm_set: bool = True
     isolation: set[str] = field(default_factory=set)
     records: dict[int, list[RequestRecord]] = field(default_factory=dict)
     _step: int = 0
+    _tokens_since_warm: int | None = None  # None: the warm set was never sent
     _passed_max: float = 0.0
     _failed_min: float = math.inf
 
@@ -238,6 +253,7 @@ class StepRunner:
                 "preroll_failed": result.preroll_failed,
                 "preroll_tokens": result.preroll_tokens,
                 "preroll_s": result.preroll_s,
+                **self._warm_detail(result),
             },
         )
         if outcome.passed:
@@ -256,14 +272,48 @@ class StepRunner:
     def _seed(self, step: int) -> int:
         return self.seed * 1000 + step
 
+    @property
+    def keeps_warm_set(self) -> bool:
+        """The trace has a pre-roll: sent once, kept between steps (see the module)."""
+        return self.keep_warm_set and bool(self.trace.preroll)
+
+    def _warm_seed(self) -> int | None:
+        return self.seed * 1000 + 998 if self.keeps_warm_set else None
+
+    def warm_set_due(self) -> bool:
+        """Send the pre-roll before the next step: never sent, or it may have been evicted (or
+        not kept: before every step)."""
+        if not self.keeps_warm_set:
+            return bool(self.trace.preroll)
+        if self._tokens_since_warm is None or self.kv_cache_tokens is None:
+            return True
+        warm = sum(r.input_tokens for r in preroll_trace(self.trace).requests)
+        return warm + self._tokens_since_warm > self.kv_cache_tokens
+
+    def _warm_detail(self, result: ReplayResult) -> dict[str, Any]:
+        """A step's record of the warm set: ``sent`` before it, or ``kept`` from an earlier one."""
+        if not self.keeps_warm_set:
+            return {}
+        return {"warm_set": "sent" if result.preroll_requests else "kept"}
+
+    def _count_sent(self, trace: Trace, sent_preroll: bool) -> None:
+        """Tokens that could evict the warm set since it was last sent (this step's, bounded
+        from above by all of its requests' prompt and output tokens)."""
+        if not self.keeps_warm_set:
+            return
+        tokens = sum(r.input_tokens + r.output_tokens for r in trace.requests)
+        before = 0 if sent_preroll or self._tokens_since_warm is None else self._tokens_since_warm
+        self._tokens_since_warm = before + tokens
+
     def _replay_valid(self, scale: float) -> ReplayResult:
         scaled = scale_rate(self.trace, scale)[0] if scale != 1.0 else self.trace
         expected = max(0, len(scaled) - self.warmup_requests)
         message = ""
         note = f"pre-roll of {len(self.trace.preroll)} requests first" if self.trace.preroll else ""
         for retry in range(2):
+            send_warm = self.warm_set_due()
             if self.on_step_start is not None:
-                self.on_step_start(scale, note)
+                self.on_step_start(scale, note if send_warm else "")
             result = self.replay(
                 scaled,
                 self.url,
@@ -276,7 +326,10 @@ class StepRunner:
                 stop_check=(
                     None if self.runs_in_full(scale) else early_stop_check(self.slos, expected)
                 ),
+                warm_seed=self._warm_seed(),
+                send_preroll=send_warm,
             )
+            self._count_sent(scaled, send_warm)
             if result.schedule_kept:
                 return result
             message = result.message
@@ -299,17 +352,20 @@ class StepRunner:
                     self.isolation.add("drained")
                     break
                 time.sleep(0.2)
-        try:
-            resp = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30.0)
-        except httpx.HTTPError:
-            resp = None
-        if resp is not None and resp.status_code == 200:
-            self.isolation.add("prefix cache reset")
+        if self.keeps_warm_set:
+            self.isolation.add("warm set kept")
+        else:
+            try:
+                resp = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30.0)
+            except httpx.HTTPError:
+                resp = None
+            if resp is not None and resp.status_code == 200:
+                self.isolation.add("prefix cache reset")
         self.isolation.add("fresh prompts")
 
     def describe_isolation(self) -> str:
         """How steps were kept apart, e.g. ``"drained, prefix cache reset, fresh prompts"``."""
-        order = ("drained", "prefix cache reset", "fresh prompts")
+        order = ("drained", "prefix cache reset", "warm set kept", "fresh prompts")
         return ", ".join(k for k in order if k in self.isolation)
 
 

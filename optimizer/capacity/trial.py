@@ -145,6 +145,7 @@ def run_capacity(
         on_step=on_step,
         on_step_start=on_step_start,
         full_at_or_below=settings.min_scale,
+        kv_cache_tokens=spec.kv_cache_tokens,
     )
     try:
         runner.warm_up()

@@ -91,7 +91,14 @@ def _mix_array(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 def build_prompt_ids(
-    request: TraceRequest, index: int, *, block_size: int, seed: int, vocab: TokenRange
+    request: TraceRequest,
+    index: int,
+    *,
+    block_size: int,
+    seed: int,
+    vocab: TokenRange,
+    warm_blocks: frozenset[int] = frozenset(),
+    warm_seed: int | None = None,
 ) -> list[int]:
     """Build the token ids of one request's prompt.
 
@@ -105,6 +112,11 @@ def build_prompt_ids(
         block_size: Tokens per prefix block (``Trace.block_size``).
         seed: Seed of the whole replay; a different seed gives entirely different prompts.
         vocab: Range of token ids to draw from.
+        warm_blocks: Prefix blocks whose tokens come from ``warm_seed`` instead of ``seed``
+            (the blocks a pre-roll warms, kept warm across replays with different seeds).
+            Only the prompt's leading run of them does: a prefix cache matches a block only
+            after all the blocks before it, so a warm block after a fresh one could never hit.
+        warm_seed: The seed of ``warm_blocks`` (None: every block uses ``seed``).
 
     Returns:
         Exactly ``request.input_tokens`` token ids, each in ``[vocab.low, vocab.high)``.
@@ -123,8 +135,14 @@ def build_prompt_ids(
     keys = np.empty(n_tokens, dtype=np.uint64)
     positions = np.empty(n_tokens, dtype=np.uint64)
     if n_prefix:
+        blocks = request.prefix_blocks[:n_blocks]
+        warm = 0
+        while warm_seed is not None and warm < len(blocks) and blocks[warm] in warm_blocks:
+            warm += 1
+        block_seed = warm_seed if warm_seed is not None else seed
         block_keys = np.array(
-            [_stream_key(seed, _DOMAIN_BLOCK, b) for b in request.prefix_blocks[:n_blocks]],
+            [_stream_key(block_seed, _DOMAIN_BLOCK, b) for b in blocks[:warm]]
+            + [_stream_key(seed, _DOMAIN_BLOCK, b) for b in blocks[warm:]],
             dtype=np.uint64,
         )
         keys[:n_prefix] = np.repeat(block_keys, block_size)[:n_prefix]

@@ -66,6 +66,7 @@ __all__ = [
     "describe_error",
     "replay",
     "run_replay",
+    "warm_blocks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,15 @@ class ReplayOptions:
         schedule_origin_s: The ``arrival_s`` that is schedule time zero; None: the first
             request's.
         prompt_indices: The index each request's prompt is built from (None: its position).
+        warm_seed: The seed of the blocks the trace's pre-roll warms (:func:`warm_blocks`), in
+            the pre-roll and in every request; the rest of each prompt uses the replay's seed.
+            Replays of one trace with different seeds and one ``warm_seed`` then share exactly
+            the warm set, so a cache warmed once stays warm for the next (a capacity search's
+            steps). None: every token from the replay's seed.
+        warm_blocks: Those blocks; None: :func:`warm_blocks` of the trace (a part of a trace
+            replayed apart is given the whole trace's).
+        send_preroll: Send the trace's pre-roll before the clock starts. False: the server's
+            cache is warm already (an earlier replay with the same ``warm_seed`` sent it).
     """
 
     warmup_requests: int = 0
@@ -179,6 +189,9 @@ class ReplayOptions:
     start_at: float | None = None
     schedule_origin_s: float | None = None
     prompt_indices: tuple[int, ...] | None = None
+    warm_seed: int | None = None
+    warm_blocks: frozenset[int] | None = None
+    send_preroll: bool = True
 
     def __post_init__(self) -> None:
         if self.warmup_requests < 0:
@@ -390,6 +403,8 @@ def build_request_bodies(
     seed: int,
     extra_body: Mapping[str, Any] | None = None,
     indices: Sequence[int] | None = None,
+    warm_blocks: frozenset[int] = frozenset(),
+    warm_seed: int | None = None,
 ) -> list[bytes]:
     """JSON-encode the ``/v1/completions`` body of every request of a trace.
 
@@ -405,6 +420,9 @@ def build_request_bodies(
         extra_body: Fields added to (or overriding) every body, e.g. ``{"temperature": 1.0}``.
         indices: Each request's index for its prompt (default: its position), so that a part
             of a trace replayed apart builds the prompts the whole trace would.
+        warm_blocks: Prefix blocks built from ``warm_seed`` (see
+            :func:`~optimizer.workload.prompts.build_prompt_ids`).
+        warm_seed: Their seed (None: ``seed`` for every block).
 
     Returns:
         One body per request, in trace order.
@@ -416,7 +434,13 @@ def build_request_bodies(
         body: dict[str, Any] = {
             "model": model,
             "prompt": build_prompt_ids(
-                request, index, block_size=trace.block_size, seed=seed, vocab=vocab
+                request,
+                index,
+                block_size=trace.block_size,
+                seed=seed,
+                vocab=vocab,
+                warm_blocks=warm_blocks,
+                warm_seed=warm_seed,
             ),
             "max_tokens": request.output_tokens,
             "ignore_eos": True,
@@ -816,7 +840,7 @@ async def replay(
     """
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
-    opts = _options(options, overrides)
+    opts = _with_warm_blocks(_options(options, overrides), trace)
     warm = await _preroll(trace, url, model, vocab=vocab, seed=seed, opts=opts, transport=transport)
     clock = clock if clock is not None else MonotonicClock()
     scheduled_s = _schedule(trace, opts)
@@ -827,6 +851,8 @@ async def replay(
         seed=seed,
         extra_body=opts.extra_body,
         indices=opts.prompt_indices,
+        warm_blocks=opts.warm_blocks or frozenset(),
+        warm_seed=opts.warm_seed,
     )
     async with contextlib.AsyncExitStack() as stack:
         clients, retry_client, connections_per_client = await _open_clients(
@@ -853,6 +879,23 @@ async def replay(
     return _with_preroll(result, warm)
 
 
+def warm_blocks(trace: Trace) -> frozenset[int]:
+    """The prefix blocks the trace's pre-roll sends: every block of the requests of
+    :func:`~optimizer.workload.shaping.preroll_trace` that holds a prompt token."""
+    blocks: set[int] = set()
+    for r in preroll_trace(trace).requests:
+        n_tokens = min(len(r.prefix_blocks) * trace.block_size, r.input_tokens)
+        blocks.update(r.prefix_blocks[: -(-n_tokens // trace.block_size)])
+    return frozenset(blocks)
+
+
+def _with_warm_blocks(opts: ReplayOptions, trace: Trace) -> ReplayOptions:
+    """``opts`` with its warm blocks set from the trace's pre-roll where a warm seed asks."""
+    if opts.warm_seed is None or opts.warm_blocks is not None:
+        return opts
+    return dataclasses.replace(opts, warm_blocks=warm_blocks(trace))
+
+
 def _with_preroll(result: ReplayResult, warm: tuple[int, int, int, float]) -> ReplayResult:
     """``result`` with what its pre-roll sent: (requests, failed, tokens, seconds)."""
     return dataclasses.replace(
@@ -877,7 +920,7 @@ async def _preroll(
     """Send the trace's pre-roll (:func:`~optimizer.workload.shaping.preroll_trace`), all at
     once, and wait for every request of it; returns (requests, failed, tokens, seconds)."""
     warm = preroll_trace(trace)
-    if not warm.requests:
+    if not warm.requests or not opts.send_preroll:
         return 0, 0, 0, 0.0
     t0 = time.monotonic()
     result = await replay(
@@ -1166,15 +1209,18 @@ def _run_in_processes(
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
     vocab, seed = kwargs.pop("vocab"), kwargs.pop("seed")
-    trace, warm = _preroll_first(trace, url, model, vocab, seed, kwargs.get("options"))
-    options = _options(
-        kwargs.pop("options", None),
-        {
-            k: v
-            for k, v in kwargs.items()
-            if k not in ("progress", "stop_check", "clock", "transport")
-        },
+    options = _with_warm_blocks(
+        _options(
+            kwargs.pop("options", None),
+            {
+                k: v
+                for k, v in kwargs.items()
+                if k not in ("progress", "stop_check", "clock", "transport")
+            },
+        ),
+        trace,
     )
+    trace, warm = _preroll_first(trace, url, model, vocab, seed, options)
     origin = trace.requests[0].arrival_s
     parts = []
     for p in range(min(processes, len(trace.requests))):

@@ -20,7 +20,7 @@ def test_each_turn_extends_the_previous_turn_s_prompt() -> None:
     assert len(last) > 50
 
 
-def test_the_preroll_comparison_runs_cold_the_stretch_and_the_warm_set() -> None:
+def test_the_preroll_comparison_runs_cold_the_stretch_and_the_warm_set_kept_and_per_step() -> None:
     from benchmarks.preroll_benchmark import _runs
     from optimizer.workload.shaping import ShapeSpec, shape
 
@@ -31,9 +31,11 @@ def test_the_preroll_comparison_runs_cold_the_stretch_and_the_warm_set() -> None
         (True, False),
         (True, True),
         (True, True),
+        (True, True),
     ]
     stretch, warm_set = runs[1][2], runs[2][2]
     assert warm_set == trace.preroll and len(stretch) > len(warm_set) > 0
+    assert runs[3][2] == warm_set and "every step" in runs[3][1]  # the same set, sent per step
     assert [label for _, label, _ in _runs("caching", trace, window)].count("none") == 2
 
 
@@ -45,3 +47,13 @@ def test_the_offline_comparison_sends_less_for_the_same_reuse() -> None:
     assert warm["tokens_sent"] < stretch["tokens_sent"]
     assert warm["requests_sent"] < stretch["requests_sent"]
     assert warm["window_reuse"] >= stretch["window_reuse"]
+
+
+def test_the_per_step_row_builds_its_step_runners_without_keeping_the_warm_set() -> None:
+    import optimizer.capacity.trial as capacity_trial
+    from benchmarks.preroll_benchmark import _warm_set_every_step
+
+    saved = capacity_trial.StepRunner
+    with _warm_set_every_step():
+        assert capacity_trial.StepRunner.keywords == {"keep_warm_set": False}  # type: ignore[attr-defined]
+    assert capacity_trial.StepRunner is saved

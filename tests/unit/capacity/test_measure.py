@@ -3,6 +3,7 @@ isolation between steps, and what an early stop's unsent requests count as."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -158,16 +159,13 @@ def test_slo_floors_from_the_trace_and_the_measured_server() -> None:
     assert slo_floors(TRACE, []) == {}
 
 
-def test_every_step_pre_rolls_with_its_own_prompts_and_measures_none_of_it(
-    tmp_path: Path,
-) -> None:
-    """The real replay against a recording MockTransport: each step (after the reset between
-    steps, and the first after the warm-up) first sends the window's pre-roll, built with that
-    step's seed, and its records hold the window's requests only."""
+def _preroll_steps(kv_cache_tokens: int | None) -> tuple[Trace, Any, list[Any], StepRunner]:
+    """A windowed trace with a pre-roll, the real replay against a recording MockTransport
+    (FAKE server: answers every request with its tokens), and a StepRunner over them."""
     import httpx
 
     from optimizer.workload.replay import run_replay
-    from optimizer.workload.shaping import ShapeSpec, preroll_trace, shape
+    from optimizer.workload.shaping import ShapeSpec, shape
     from tests.unit.workload.test_preroll import Recorder, conversations
 
     shaped, _ = shape(conversations(), ShapeSpec(window_s=(60.0, 75.0), compress=100.0))
@@ -186,22 +184,89 @@ def test_every_step_pre_rolls_with_its_own_prompts_and_measures_none_of_it(
         seed=3,
         replay=replay,
         on_step_start=lambda scale, note: starts.append((scale, note)),
+        kv_cache_tokens=kv_cache_tokens,
+        max_send_lag_ms=math.inf,  # the client's lag is not under test (the machine may be busy)
     )
+    return shaped, server, starts, runner
+
+
+def test_the_warm_set_is_sent_once_and_every_step_hits_it_with_fresh_prompts_otherwise() -> None:
+    """The KV cache holds the warm set and both steps: the pre-roll goes before the first step
+    only; the second step's requests start with exactly the tokens the pre-roll sent (the
+    warm blocks keep their seed) and everything after them is that step's own."""
+    from optimizer.workload.replay import warm_blocks
+    from optimizer.workload.shaping import preroll_trace
+
+    shaped, server, starts, runner = _preroll_steps(kv_cache_tokens=10**9)
     runner.warm_up(requests=2)
-    warm = len(preroll_trace(shaped))
     assert len(server.bodies) == 2  # the warm-up replays the window's head, no pre-roll
+    warm = len(preroll_trace(shaped))
     steps = [runner(1.0, 0), runner(2.0, 0)]
     note = f"pre-roll of {len(shaped.preroll)} requests first"
-    assert starts == [(1.0, note), (2.0, note)]  # each step names its scale as it starts
+    assert starts == [(1.0, note), (2.0, "")]  # each step names its scale as it starts
+    assert len(server.bodies) == 2 + warm + 2 * len(shaped)
+    assert [b["max_tokens"] for b in server.bodies[2 : 2 + warm]] == [1] * warm
+    assert steps[0].detail["preroll_requests"] == warm and steps[0].detail["warm_set"] == "sent"
+    assert steps[1].detail["preroll_requests"] == 0 and steps[1].detail["warm_set"] == "kept"
+    assert [len(runner.records[k]) for k in (0, 1)] == [len(shaped)] * 2  # the window only
+    assert "warm set kept" in runner.describe_isolation()
+    assert "prefix cache reset" not in runner.describe_isolation()
+
+    preroll = [b["prompt"] for b in server.bodies[2 : 2 + warm]]
+    first = [b["prompt"] for b in server.bodies[2 + warm : 2 + warm + len(shaped)]]
+    second = [b["prompt"] for b in server.bodies[2 + warm + len(shaped) :]]
+    blocks = warm_blocks(shaped)
+    hits = fresh = 0
+    for r, a, b in zip(shaped.requests, first, second, strict=True):
+        n = 0
+        while n < len(r.prefix_blocks) and r.prefix_blocks[n] in blocks:
+            n += 1
+        cut = min(n * shaped.block_size, r.input_tokens)
+        assert a[:cut] == b[:cut]  # the warm run: the same tokens in every step
+        assert a[cut:] != b[cut:] or cut == r.input_tokens  # the rest: each step's own
+        hits += cut > 0
+        fresh += cut < r.input_tokens
+    assert hits >= 5 and fresh == len(shaped)
+    # What the second step sends without a pre-roll of its own starts with what the first sent.
+    continued = [p for p in preroll if any(ids[: len(p)] == p for ids in second)]
+    in_window = {r.session_id for r in shaped.requests}
+    assert len(continued) == sum(r.session_id in in_window for r in preroll_trace(shaped).requests)
+
+
+@pytest.mark.parametrize("kv_cache_tokens", [None, 1])
+def test_the_warm_set_is_sent_again_where_the_steps_could_have_evicted_it(
+    kv_cache_tokens: int | None,
+) -> None:
+    """A KV cache too small for the warm set and a step's tokens (or of unknown size): the
+    pre-roll goes before every step, with the same prompts (the blocks still cached hit)."""
+    from optimizer.workload.shaping import preroll_trace
+
+    shaped, server, starts, runner = _preroll_steps(kv_cache_tokens=kv_cache_tokens)
+    steps = [runner(1.0, 0), runner(2.0, 0)]
+    warm = len(preroll_trace(shaped))
     per_step = warm + len(shaped)
-    assert len(server.bodies) == 2 + 2 * per_step
-    prompts = []
-    for k, step in enumerate(steps):
-        bodies = server.bodies[2 + k * per_step : 2 + (k + 1) * per_step]
-        assert [b["max_tokens"] for b in bodies[:warm]] == [1] * warm  # the pre-roll first
-        assert all(b["max_tokens"] == 4 for b in bodies[warm:])
-        assert step.detail["preroll_requests"] == warm and step.detail["preroll_failed"] == 0
-        assert len(runner.records[k]) == len(shaped)  # measured: the window only
-        assert step.summary["completed"] == len(shaped)
-        prompts.append(bodies[0]["prompt"])
-    assert prompts[0] != prompts[1]  # each step's pre-roll is built with its own seed
+    assert len(server.bodies) == 2 * per_step
+    assert [s.detail["warm_set"] for s in steps] == ["sent", "sent"]
+    assert all(s.detail["preroll_requests"] == warm for s in steps)
+    assert [b["prompt"] for b in server.bodies[:warm]] == [
+        b["prompt"] for b in server.bodies[per_step : per_step + warm]
+    ]
+    assert [note != "" for _, note in starts] == [True, True]
+
+
+def test_the_warm_set_bound_counts_what_was_sent_since(tmp_path: Path) -> None:
+    """Due again once the warm set's tokens and the steps' since it was sent pass the cache."""
+    from optimizer.workload.shaping import preroll_trace
+
+    shaped, _, _, _ = _preroll_steps(kv_cache_tokens=None)
+    warm = sum(r.input_tokens for r in preroll_trace(shaped).requests)
+    step = sum(r.input_tokens + r.output_tokens for r in shaped.requests)
+    runner = _runner(FakeReplay(), tmp_path, kv_cache_tokens=warm + step + step // 2)
+    runner.trace = shaped
+    assert runner.warm_set_due()  # never sent
+    runner(1.0, 0)
+    assert not runner.warm_set_due()  # the warm set and one step fit
+    runner(1.0, 0)
+    assert runner.warm_set_due()  # and a second one does not
+    runner.trace = TRACE
+    assert not runner.warm_set_due()  # no pre-roll: nothing to send

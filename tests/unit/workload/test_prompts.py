@@ -114,3 +114,23 @@ def test_fast_enough() -> None:
         build_prompt_ids(request, i, block_size=512, seed=0, vocab=VOCAB)
     # 10k prompts of 2k tokens must take well under a few seconds; allow slow CI.
     assert time.perf_counter() - start < 2.0
+
+
+def test_warm_blocks_keep_their_seed_only_as_the_prompts_leading_run() -> None:
+    """Blocks 1 and 2 are warm: their tokens follow warm_seed whatever the replay's seed; block
+    3 is not, and block 1 after it cannot hit a cache (the blocks before it differ): both follow
+    the replay's seed, as does every token after the prefix."""
+    request = TraceRequest(0.0, 5 * BLOCK, 1, prefix_blocks=(1, 2, 3, 1))
+
+    def warm(seed: int, blocks: frozenset[int] = frozenset({1, 2})) -> list[int]:
+        return build_prompt_ids(
+            request, 0, block_size=BLOCK, seed=seed, vocab=VOCAB, warm_blocks=blocks, warm_seed=99
+        )
+
+    a, b = warm(1), warm(2)
+    assert a[: 2 * BLOCK] == b[: 2 * BLOCK]  # the warm run
+    assert a[: 2 * BLOCK] == ids(request, 0, seed=99)[: 2 * BLOCK]  # built from warm_seed
+    for k in (2, 3, 4):  # block 3, block 1 after it, the fresh tail
+        part = slice(k * BLOCK, (k + 1) * BLOCK)
+        assert a[part] != b[part] and a[part] == ids(request, 0, seed=1)[part]
+    assert warm(1, frozenset({2})) == ids(request, 0, seed=1)  # the run must start the prompt
