@@ -314,7 +314,7 @@ def _runs(
     return [
         (True, "none (cold)", ()),
         (True, f"the {covered:.0f} s stretch", stretch.preroll),
-        (True, "warm set", trace.preroll),
+        (True, "warm set, kept between steps", trace.preroll),
         (True, "warm set, sent every step", trace.preroll),
     ]
 
