@@ -711,10 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     print_found_at(table, runs)
     replication = replication_rows(table, runs, seed_sets)
     print_replication(table, replication)
+    diffs = differences(replication)
+    print_differences(diffs)
     if ns.png:
         plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {len(seeds)} seeds each")
     if ns.json:
-        doc = {"rows": rows, "replication": replication}
+        doc = {"rows": rows, "replication": replication, "differences": diffs}
         ns.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return 0
 
@@ -872,6 +874,58 @@ def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['strategy']:>14}: {total} steps: "
             + ", ".join(f"{src[k]} {k} ({100 * src[k] / max(total, 1):.0f} %)" for k in SOURCES)
+        )
+
+
+PAIRS = (
+    ("tpe-racing", "random-racing"),  # what the Bayesian search adds over random, with racing
+    ("tpe", "random"),  # the same without racing
+    ("random-racing", "random"),  # what racing adds to random search
+    ("tpe-racing", "tpe"),  # what racing adds to TPE
+)
+
+
+def differences(
+    rows: list[dict[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS
+) -> list[dict[str, Any]]:
+    """Per pair of strategies that both ran and seed set of :func:`replication_rows`: the first
+    minus the second, in points of the table's best at each fraction of the grid's time and in
+    req/s of the returned configuration's true mean, each with the 95 % half-width of a
+    difference of two independent means (sqrt(h1^2 + h2^2)): a difference inside it is not one
+    this many seeds can tell from noise."""
+    by = {(r["strategy"], r["seeds"]): r for r in rows}
+    out = []
+    for a, b in pairs:
+        for (name, seeds), ra in by.items():
+            rb = by.get((b, seeds))
+            if name != a or rb is None:
+                continue
+            d: dict[str, Any] = {"pair": f"{a} - {b}", "seeds": seeds}
+            for key in [f"share_{round(f * 100)}" for f in FRACTIONS] + ["returned_rps"]:
+                d[key] = ra[key] - rb[key]
+                d[f"{key}_ci"] = math.hypot(ra[f"{key}_ci"], rb[f"{key}_ci"])
+            out.append(d)
+    return out
+
+
+def print_differences(diffs: list[dict[str, Any]]) -> None:
+    """The differences as a markdown table (points of the best; req/s)."""
+    if not diffs:
+        return
+    pcts = [round(f * 100) for f in FRACTIONS]
+    print(
+        "| difference | seeds | points of the best at "
+        + " / ".join(str(p) for p in pcts)
+        + " % of the grid's time | returned config's true mean, req/s |"
+    )
+    print("|---|---|---|---:|")
+    for d in diffs:
+        points = " / ".join(
+            f"{100 * d[f'share_{p}']:+.1f} ± {100 * d[f'share_{p}_ci']:.1f}" for p in pcts
+        )
+        print(
+            f"| {d['pair']} | {d['seeds']} | {points} "
+            f"| {d['returned_rps']:+.1f} ± {d['returned_rps_ci']:.1f} |"
         )
 
 

@@ -383,3 +383,31 @@ def test_seed_sets_are_disjoint_ranges() -> None:
     assert parse_seed_sets("5") == {"5": [5]}
     with pytest.raises(SystemExit, match="not disjoint"):
         parse_seed_sets("0-19,10-29")
+
+
+def test_differences_pair_strategies_per_seed_set_with_the_combined_half_width() -> None:
+    from benchmarks.search_efficiency import differences
+
+    def row(strategy: str, seeds: str, share: float, rps: float) -> dict:
+        r = {"strategy": strategy, "seeds": seeds, "returned_rps": rps, "returned_rps_ci": 4.0}
+        for p in (25, 50, 100):
+            r[f"share_{p}"], r[f"share_{p}_ci"] = share, 0.03
+        return r
+
+    rows = [
+        row("tpe-racing", "0-19", 0.9, 100.0),
+        row("random-racing", "0-19", 0.8, 90.0),
+        row("tpe-racing", "all", 0.85, 95.0),
+        row("random-racing", "all", 0.85, 97.0),
+        row("tpe", "all", 0.7, 80.0),  # random did not run: no "tpe - random"
+    ]
+    diffs = differences(rows)
+    assert [(d["pair"], d["seeds"]) for d in diffs] == [
+        ("tpe-racing - random-racing", "0-19"),
+        ("tpe-racing - random-racing", "all"),
+        ("tpe-racing - tpe", "all"),  # tpe ran on "all" only
+    ]
+    assert diffs[0]["share_50"] == pytest.approx(0.1)
+    assert diffs[0]["share_50_ci"] == pytest.approx(math.hypot(0.03, 0.03))
+    assert diffs[1]["returned_rps"] == pytest.approx(-2.0)
+    assert diffs[1]["returned_rps_ci"] == pytest.approx(math.hypot(4.0, 4.0))
