@@ -18,7 +18,11 @@ passing step, plus:
   length);
 - ``nominal_p95_ttft_ms`` / ``nominal_p95_tpot_ms``: P95s of the first step, at the nominal
   scale (``start_scale``); NaN when that step was stopped early (a partial window is never
-  told as a full one).
+  told as a full one);
+- for a trace with a pre-roll (its warm set): ``preroll_sends`` (the steps it was sent before:
+  once per server, more where the steps could have evicted it), ``preroll_requests``,
+  ``preroll_tokens`` and ``preroll_s`` summed over those sends, beside the steps' own seconds
+  in the stored document.
 
 When no scale passed, the summary is that of the lowest scale tried and the capacity keys are 0.
 """
@@ -212,6 +216,11 @@ def capacity_summary(spec: TrialSpec, search: CapacityResult) -> dict[str, float
         if first is not None and not first.stopped_early:
             value = float(first.summary.get(metric, math.nan))
         summary[key] = value
+    sent = [s.detail for s in search.steps if s.detail.get("preroll_requests")]
+    if sent:
+        summary["preroll_sends"] = float(len(sent))
+        for key in ("preroll_requests", "preroll_tokens", "preroll_s"):
+            summary[key] = float(sum(float(d.get(key) or 0.0) for d in sent))
     return summary
 
 

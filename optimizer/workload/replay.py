@@ -844,16 +844,7 @@ async def replay(
     warm = await _preroll(trace, url, model, vocab=vocab, seed=seed, opts=opts, transport=transport)
     clock = clock if clock is not None else MonotonicClock()
     scheduled_s = _schedule(trace, opts)
-    bodies = build_request_bodies(
-        trace,
-        model,
-        vocab=vocab,
-        seed=seed,
-        extra_body=opts.extra_body,
-        indices=opts.prompt_indices,
-        warm_blocks=opts.warm_blocks or frozenset(),
-        warm_seed=opts.warm_seed,
-    )
+    bodies = _bodies(trace, model, vocab, seed, opts)
     async with contextlib.AsyncExitStack() as stack:
         clients, retry_client, connections_per_client = await _open_clients(
             stack, url, opts, transport
@@ -877,6 +868,22 @@ async def replay(
         stopped_early, stop_reason = await _run_until_stopped(run, clock, opts, stop_check)
     result = _result(run, clock, opts, stopped_early, stop_reason)
     return _with_preroll(result, warm)
+
+
+def _bodies(
+    trace: Trace, model: str, vocab: TokenRange, seed: int, opts: ReplayOptions
+) -> list[bytes]:
+    """:func:`build_request_bodies` as ``opts`` asks (extra body, indices, warm blocks)."""
+    return build_request_bodies(
+        trace,
+        model,
+        vocab=vocab,
+        seed=seed,
+        extra_body=opts.extra_body,
+        indices=opts.prompt_indices,
+        warm_blocks=opts.warm_blocks or frozenset(),
+        warm_seed=opts.warm_seed,
+    )
 
 
 def warm_blocks(trace: Trace) -> frozenset[int]:
@@ -1197,6 +1204,17 @@ def _preroll_first(
     return dataclasses.replace(trace, preroll=()), warm
 
 
+def _process_options(trace: Trace, kwargs: dict[str, Any]) -> ReplayOptions:
+    """A multi-process replay's options (its ``options`` and keyword overrides), with the whole
+    trace's warm blocks: its parts are replayed without the pre-roll they come from."""
+    overrides = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("options", "progress", "stop_check", "clock", "transport")
+    }
+    return _with_warm_blocks(_options(kwargs.get("options"), overrides), trace)
+
+
 def _run_in_processes(
     trace: Trace, url: str, model: str, processes: int, kwargs: dict[str, Any]
 ) -> ReplayResult:
@@ -1209,17 +1227,7 @@ def _run_in_processes(
     if not trace.requests:
         raise ReplayError("cannot replay an empty trace")
     vocab, seed = kwargs.pop("vocab"), kwargs.pop("seed")
-    options = _with_warm_blocks(
-        _options(
-            kwargs.pop("options", None),
-            {
-                k: v
-                for k, v in kwargs.items()
-                if k not in ("progress", "stop_check", "clock", "transport")
-            },
-        ),
-        trace,
-    )
+    options = _process_options(trace, kwargs)
     trace, warm = _preroll_first(trace, url, model, vocab, seed, options)
     origin = trace.requests[0].arrival_s
     parts = []

@@ -270,3 +270,26 @@ def test_the_warm_set_bound_counts_what_was_sent_since(tmp_path: Path) -> None:
     assert runner.warm_set_due()  # and a second one does not
     runner.trace = TRACE
     assert not runner.warm_set_due()  # no pre-roll: nothing to send
+
+
+@pytest.mark.parametrize(("kv_cache_tokens", "sends"), [(10**9, 1), (1, 3)])
+def test_the_trial_summary_counts_the_warm_set_s_sends(kv_cache_tokens: int, sends: int) -> None:
+    """A search of 3 steps (x1, x2, x4: every one passes): the warm set sent once, or before
+    every step where the steps could have evicted it; the summary sums what those sends cost."""
+    from types import SimpleNamespace
+
+    from optimizer.capacity.search import search_capacity
+    from optimizer.capacity.trial import capacity_summary
+    from optimizer.types import CapacitySettings
+    from optimizer.workload.shaping import preroll_trace
+
+    shaped, _, _, runner = _preroll_steps(kv_cache_tokens=kv_cache_tokens)
+    search = search_capacity(runner, CapacitySettings(start_scale=1.0, max_scale=4.0))
+    assert [s.scale for s in search.steps] == [1.0, 2.0, 4.0]
+    fake_spec = SimpleNamespace(trace=shaped, warmup_requests=0)  # FAKE: what the summary reads
+    summary = capacity_summary(fake_spec, search)  # type: ignore[arg-type]
+    warm = preroll_trace(shaped)
+    assert summary["preroll_sends"] == sends
+    assert summary["preroll_requests"] == sends * len(warm)
+    assert summary["preroll_tokens"] == sends * sum(r.input_tokens for r in warm.requests)
+    assert summary["preroll_s"] == pytest.approx(sum(s.detail["preroll_s"] for s in search.steps))

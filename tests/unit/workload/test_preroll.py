@@ -299,3 +299,24 @@ def test_the_covering_stretch_holds_its_oldest_request_despite_float_rounding() 
     assert covered == pytest.approx(300.518)
     stretch, _ = preroll(trace, 545.892, 560.0, preroll_s=covered)
     assert len(stretch.preroll) == 1
+
+
+def test_the_warm_blocks_are_the_preroll_s_and_a_multi_process_replay_keeps_them() -> None:
+    """warm_blocks: every block of the pre-roll's requests that holds a prompt token. A replay
+    over several processes sends the pre-roll first and its parts without it, so their options
+    carry the whole trace's warm blocks (else the parts' prompts would not hit it)."""
+    from optimizer.workload.replay import ReplayOptions, _process_options, warm_blocks
+
+    shaped, _ = shape(conversations(), ShapeSpec(window_s=(60.0, 75.0)))
+    sent = preroll_trace(shaped).requests
+    blocks = warm_blocks(shaped)
+    assert blocks == {b for r in sent for b in r.prefix_blocks}  # every block holds tokens here
+    assert 9999 in blocks  # the system prompt, shared by every conversation
+    window_only = {b for r in shaped.requests for b in r.prefix_blocks} - blocks
+    assert window_only  # the blocks the window creates itself are not warm
+    options = _process_options(
+        shaped, {"options": ReplayOptions(warm_seed=5), "warmup_requests": 1}
+    )
+    assert options.warm_blocks == blocks and options.warm_seed == 5
+    assert options.warmup_requests == 1  # the keyword overrides still apply
+    assert _process_options(shaped, {}).warm_blocks is None  # no warm seed: nothing to keep
