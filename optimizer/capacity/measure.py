@@ -6,9 +6,9 @@ server that was started once for the whole trial:
 - before the first step, one warm-up replay (the trace's first requests at its own pace, never
   measured) so no step pays for the server's first-call costs;
 - each step replays the shaped trace with its arrival times divided by the scale (bursts kept)
-  and **fresh prompts** (a new seed: no prompt token of an earlier step can hit the prefix cache;
-  the trace's own prefix sharing is kept inside the step), with early stop once the step's SLOs
-  are out of reach;
+  and **fresh prompts** (a new seed: no prompt token of an earlier step can hit the prefix cache,
+  except the pre-roll's warm set, below; the trace's own prefix sharing is kept inside the
+  step), with early stop once the step's SLOs are out of reach;
 - a windowed trace's pre-roll (:attr:`~optimizer.types.Trace.preroll`, the warm set) is sent
   once per server, before the first step's clock starts: its blocks have a seed of their own
   (``ReplayOptions.warm_seed``), the same in every step, while every other token is the step's,
