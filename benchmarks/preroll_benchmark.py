@@ -223,7 +223,9 @@ def main() -> int:
         print(
             f"row {label!r}: prefix caching {'on' if caching else 'off'}, pre-roll of "
             f"{len(warm)} requests sends {len(sent)} ({tokens:,}"
-            f" prompt tokens) before each step, uncut; window reuse offered "
+            f" prompt tokens), uncut, "
+            f"{'before each step' if 'every' in label else 'once per server (again where evicted)'}"
+            f"; window reuse offered "
             f"{prefix_reuse_ratio(plan.trace, warm):.1%}",
             flush=True,
         )
