@@ -14,10 +14,10 @@ COMMON=(benchmarks/jobs/gpu-llama8b-preroll.yaml --compare preroll
   --max-steps 6 --stretch-steps 1 --max-send-lag-ms 20 --max-scale 32)
 DEFAULT_KV='{"kv-cache-memory-bytes": null}'
 echo "== 1. default KV cache: cold, warm set"
-python3 benchmarks/preroll_benchmark.py "${COMMON[@]}" --args "$DEFAULT_KV" --rows cold,warm \
+python3 benchmarks/preroll_benchmark.py "${COMMON[@]}" --args "$DEFAULT_KV" --rows cold,kept \
   --out "$OUT_DIR/defaultkv"
 echo "== 2. default KV cache: the old default (stretch, uncut, one step)"
 python3 benchmarks/preroll_benchmark.py "${COMMON[@]}" --args "$DEFAULT_KV" --rows stretch \
   --out "$OUT_DIR/defaultkv-stretch"
 echo "== 3. 30 GiB KV cache: the warm set cut to it"
-python3 benchmarks/preroll_benchmark.py "${COMMON[@]}" --rows warm --out "$OUT_DIR/kv30"
+python3 benchmarks/preroll_benchmark.py "${COMMON[@]}" --rows kept --out "$OUT_DIR/kv30"

@@ -47,7 +47,13 @@ from optimizer.capacity.search import StepOutcome
 from optimizer.errors import ClientCouldNotKeepUp
 from optimizer.types import RequestRecord, Trace
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import ReplayProgress, ReplayResult, ReplaySnapshot, run_replay
+from optimizer.workload.replay import (
+    ReplayProgress,
+    ReplayResult,
+    ReplaySnapshot,
+    run_replay,
+    warm_blocks,
+)
 from optimizer.workload.shaping import preroll_trace, scale_rate
 from optimizer.workload.stats import BURST_WINDOW_S, largest_burst
 
@@ -196,6 +202,9 @@ class StepRunner:
     records: dict[int, list[RequestRecord]] = field(default_factory=dict)
     _step: int = 0
     _tokens_since_warm: int | None = None  # None: the warm set was never sent
+    _warm: tuple[Trace, int, frozenset[int]] | None = (
+        None  # the trace, its warm set's tokens, blocks
+    )
     _passed_max: float = 0.0
     _failed_min: float = math.inf
 
@@ -280,6 +289,14 @@ class StepRunner:
     def _warm_seed(self) -> int | None:
         return self.seed * 1000 + 998 if self.keeps_warm_set else None
 
+    def _warm_set(self) -> tuple[int, frozenset[int]]:
+        """The warm set's prompt tokens and prefix blocks, worked out once per trace (not once
+        per step and again in every replay)."""
+        if self._warm is None or self._warm[0] is not self.trace:
+            tokens = sum(r.input_tokens for r in preroll_trace(self.trace).requests)
+            self._warm = (self.trace, tokens, warm_blocks(self.trace))
+        return self._warm[1], self._warm[2]
+
     def warm_set_due(self) -> bool:
         """Send the pre-roll before the next step: never sent, or it may have been evicted (or
         not kept: before every step)."""
@@ -287,8 +304,7 @@ class StepRunner:
             return bool(self.trace.preroll)
         if self._tokens_since_warm is None or self.kv_cache_tokens is None:
             return True
-        warm = sum(r.input_tokens for r in preroll_trace(self.trace).requests)
-        return warm + self._tokens_since_warm > self.kv_cache_tokens
+        return self._warm_set()[0] + self._tokens_since_warm > self.kv_cache_tokens
 
     def _warm_detail(self, result: ReplayResult) -> dict[str, Any]:
         """A step's record of the warm set: ``sent`` before it, or ``kept`` from an earlier one."""
@@ -327,6 +343,7 @@ class StepRunner:
                     None if self.runs_in_full(scale) else early_stop_check(self.slos, expected)
                 ),
                 warm_seed=self._warm_seed(),
+                warm_blocks=self._warm_set()[1] if self.keeps_warm_set else None,
                 send_preroll=send_warm,
             )
             self._count_sent(scaled, send_warm)
