@@ -657,7 +657,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--partial", action="store_true", help="allow unmeasured grid points (no result)"
     )
-    ap.add_argument("--job", type=Path, default=Path("benchmarks/data/cpu-capacity-grid.yaml"))
+    ap.add_argument(
+        "--job",
+        type=Path,
+        default=None,
+        help="the job that measured the table, for its capacity search settings (default: the "
+        "job in benchmarks/data/ whose name is the table's study)",
+    )
     ap.add_argument(
         "--warm-from",
         type=Path,
@@ -666,8 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ns = ap.parse_args(argv)
     merge = tuple(m for m in ns.merge.split(",") if m)
+    doc = json.loads(ns.table.read_text())
     table = load_table(
-        json.loads(ns.table.read_text()),
+        doc,
         partial=ns.partial,
         merge=merge,
         step_seconds=ns.step_seconds,
@@ -678,9 +685,10 @@ def main(argv: list[str] | None = None) -> int:
         else {f"0-{ns.seeds - 1}": list(range(ns.seeds))}
     )
     seeds = sorted({s for ss in seed_sets.values() for s in ss})
-    settings = _settings(ns.job)
+    job = ns.job if ns.job is not None else table_job(doc, DATA_DIR)
+    settings = _settings(job)
     budget = ns.budget * table.full_grid_s()
-    warm = load_warm(ns.warm_from, table, ns.job) if ns.warm_from else None
+    warm = load_warm(ns.warm_from, table, job) if ns.warm_from else None
     if warm is not None:
         print(
             f"warm start from {ns.warm_from}: {len(warm.priors)} prior trials, "
@@ -927,6 +935,31 @@ def print_differences(diffs: list[dict[str, Any]]) -> None:
             f"| {d['pair']} | {d['seeds']} | {points} "
             f"| {d['returned_rps']:+.1f} ± {d['returned_rps_ci']:.1f} |"
         )
+
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def table_job(doc: Mapping[str, Any], data_dir: Path) -> Path:
+    """The job that measured a table: the one job file in ``data_dir`` whose ``name`` is the
+    study its repeats record (``made_with``). A table of several studies, or of a study with no
+    job there, is refused with what to pass instead."""
+    import yaml
+
+    studies = sorted({str(m.get("study")) for m in doc.get("made_with", [])})
+    if len(studies) != 1:
+        raise SystemExit(f"the table's repeats come from studies {studies}: pass --job")
+    found = []
+    for path in sorted(data_dir.glob("*.yaml")):
+        loaded = yaml.safe_load(path.read_text())
+        if isinstance(loaded, dict) and loaded.get("name") == studies[0]:
+            found.append(path)
+    if len(found) != 1:
+        raise SystemExit(
+            f"{len(found)} job files in {data_dir} are named {studies[0]!r} (the table's study): "
+            "pass --job, the job that measured the table"
+        )
+    return found[0]
 
 
 def _settings(job: Path) -> CapacitySettings:

@@ -411,3 +411,22 @@ def test_differences_pair_strategies_per_seed_set_with_the_combined_half_width()
     assert diffs[0]["share_50_ci"] == pytest.approx(math.hypot(0.03, 0.03))
     assert diffs[1]["returned_rps"] == pytest.approx(-2.0)
     assert diffs[1]["returned_rps_ci"] == pytest.approx(math.hypot(4.0, 4.0))
+
+
+def test_the_tables_job_is_found_by_its_study_name(tmp_path) -> None:
+    from benchmarks.search_efficiency import DATA_DIR, table_job
+
+    for table, job in (
+        ("capacity_table_cpu.json", "cpu-capacity-grid.yaml"),
+        ("capacity_table_cpu_v2.json", "cpu-capacity-grid-v2.yaml"),
+    ):
+        doc = json.loads((DATA_DIR / table).read_text())
+        assert table_job(doc, DATA_DIR) == DATA_DIR / job
+    (tmp_path / "a.yaml").write_text("name: grid\n")
+    (tmp_path / "b.yaml").write_text("name: grid\n")
+    with pytest.raises(SystemExit, match=r"2 job files .* named 'grid'.*pass --job"):
+        table_job({"made_with": [{"study": "grid"}]}, tmp_path)
+    with pytest.raises(SystemExit, match="0 job files"):
+        table_job({"made_with": [{"study": "other"}]}, tmp_path)
+    with pytest.raises(SystemExit, match=r"studies .*pass --job"):
+        table_job({"made_with": [{"study": "a"}, {"study": "b"}]}, tmp_path)
