@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +203,6 @@ class StepRunner:
     records: dict[int, list[RequestRecord]] = field(default_factory=dict)
     _step: int = 0
     _tokens_since_warm: int | None = None  # None: the warm set was never sent
-    _warm: tuple[Trace, int, frozenset[int]] | None = (
-        None  # the trace, its warm set's tokens, blocks
-    )
     _passed_max: float = 0.0
     _failed_min: float = math.inf
 
@@ -289,13 +287,12 @@ class StepRunner:
     def _warm_seed(self) -> int | None:
         return self.seed * 1000 + 998 if self.keeps_warm_set else None
 
+    @cached_property
     def _warm_set(self) -> tuple[int, frozenset[int]]:
-        """The warm set's prompt tokens and prefix blocks, worked out once per trace (not once
-        per step and again in every replay)."""
-        if self._warm is None or self._warm[0] is not self.trace:
-            tokens = sum(r.input_tokens for r in preroll_trace(self.trace).requests)
-            self._warm = (self.trace, tokens, warm_blocks(self.trace))
-        return self._warm[1], self._warm[2]
+        """The warm set's prompt tokens and prefix blocks, worked out once (the trace is fixed
+        for the runner's life), not once per step and again in every replay."""
+        tokens = sum(r.input_tokens for r in preroll_trace(self.trace).requests)
+        return tokens, warm_blocks(self.trace)
 
     def warm_set_due(self) -> bool:
         """Send the pre-roll before the next step: never sent, or it may have been evicted (or
@@ -304,7 +301,7 @@ class StepRunner:
             return bool(self.trace.preroll)
         if self._tokens_since_warm is None or self.kv_cache_tokens is None:
             return True
-        return self._warm_set()[0] + self._tokens_since_warm > self.kv_cache_tokens
+        return self._warm_set[0] + self._tokens_since_warm > self.kv_cache_tokens
 
     def _warm_detail(self, result: ReplayResult) -> dict[str, Any]:
         """A step's record of the warm set: ``sent`` before it, or ``kept`` from an earlier one."""
@@ -343,7 +340,7 @@ class StepRunner:
                     None if self.runs_in_full(scale) else early_stop_check(self.slos, expected)
                 ),
                 warm_seed=self._warm_seed(),
-                warm_blocks=self._warm_set()[1] if self.keeps_warm_set else None,
+                warm_blocks=self._warm_set[1] if self.keeps_warm_set else None,
                 send_preroll=send_warm,
             )
             self._count_sent(scaled, send_warm)
