@@ -205,3 +205,29 @@ def test_the_tables_job_is_found_by_its_study_name(tmp_path) -> None:
         table_job({"made_with": [{"study": "other"}]}, tmp_path)
     with pytest.raises(SystemExit, match=r"studies .*pass --job"):
         table_job({"made_with": [{"study": "a"}, {"study": "b"}]}, tmp_path)
+
+
+def test_a_grid_run_measures_every_point_once_and_ends(monkeypatch) -> None:
+    from benchmarks.search_efficiency import run_strategy
+    from benchmarks.search_table import OfflineStudy
+
+    measured: list[str] = []
+    real = OfflineStudy.measure
+
+    def spy(self: OfflineStudy, key: str) -> tuple[float | None, bool]:
+        measured.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(OfflineStudy, "measure", spy)
+    table = load_table(synthetic_table())
+    orders = []
+    for seed in (0, 1):
+        measured.clear()
+        run = run_strategy("grid", table, SETTINGS, seed=seed, budget_s=math.inf)
+        # The baseline, then every grid point once: the whole grid, and the run ends.
+        assert measured[0] == table.baseline and sorted(measured) == sorted(table.configs)
+        assert run.trials == len(table.configs) and run.seed == seed
+        orders.append(list(measured))
+    assert orders[0] != orders[1]  # a random order per seed
+    run = run_strategy("grid", table, SETTINGS, seed=0, budget_s=table.full_grid_s() / 4)
+    assert 2 <= run.trials < len(table.configs)  # the budget ends it first
