@@ -156,7 +156,8 @@ def run_sampler(
     for key in warm.top if name == WARM and warm else ():
         study.enqueue_trial(json.loads(key))
     repeats = 0
-    while study_.seconds < budget_s and len(study_.measured) <= len(table.configs) and repeats < 50:
+    # measured holds the baseline, one of table.configs: all measured ends the study.
+    while study_.seconds < budget_s and len(study_.measured) < len(table.configs) and repeats < 50:
         trial = study.ask()
         params = {k: trial.suggest_categorical(k, v) for k, v in table.grid.items()}
         key = table.key(params)

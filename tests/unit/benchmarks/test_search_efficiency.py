@@ -17,8 +17,22 @@ from benchmarks.search_efficiency import (
     run_one_at_a_time,
     summarize_runs,
 )
-from benchmarks.search_table import load_table
-from tests.unit.benchmarks.test_search_table import SETTINGS, synthetic_table
+from benchmarks.search_table import Table, load_table
+from tests.unit.benchmarks.test_search_table import SETTINGS, _measured, _step, synthetic_table
+
+
+def tiny_table(points: int) -> Table:
+    """``points`` values of one param and the baseline, one measurement each (SYNTHETIC)."""
+    m = _measured([_step(0.5, 20.0), _step(1.0, 10.0), _step(2.0, 5.0)], capacity=1.5)
+    grid = {"x": list(range(points))}
+    keys = [json.dumps({"x": x}) for x in grid["x"]]
+    return Table(
+        grid=grid,
+        configs={"baseline": [m], **{k: [m] for k in keys}},
+        truth={"baseline": 1.0, **{k: 2.0 + i for i, k in enumerate(keys)}},
+        baseline="baseline",
+        step_overhead_s=2.0,
+    )
 
 
 def test_every_strategy_runs_within_the_budget_and_the_summary_reads_it() -> None:
@@ -231,3 +245,24 @@ def test_a_grid_run_measures_every_point_once_and_ends(monkeypatch) -> None:
     assert orders[0] != orders[1]  # a random order per seed
     run = run_strategy("grid", table, SETTINGS, seed=0, budget_s=table.full_grid_s() / 4)
     assert 2 <= run.trials < len(table.configs)  # the budget ends it first
+
+
+def test_a_run_that_measured_every_configuration_asks_no_more(monkeypatch) -> None:
+    import optuna
+
+    from benchmarks.search_efficiency import run_sampler
+
+    studies: list[optuna.Study] = []
+    real = optuna.create_study
+
+    def spy(*args: object, **kwargs: object) -> optuna.Study:
+        studies.append(real(*args, **kwargs))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", spy)
+    table = tiny_table(1)
+    assert table.key({"x": 0}) in table.configs
+    run = run_sampler("random", table, SETTINGS, seed=0, budget_s=math.inf)
+    # The baseline and the one grid point: measured, nothing is left to ask for.
+    assert run.trials == 2
+    assert [t.state.name for t in studies[0].trials] == ["COMPLETE"]
