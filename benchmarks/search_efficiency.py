@@ -35,7 +35,8 @@ seed set (``--seed-sets 0-19,20-39``: disjoint sets, each a replication, then al
 share of the best at 25 / 50 / 100 %, the seeds whose returned configuration is in the table's
 top decile by true mean, the returned configuration's true mean capacity, the seeds that reached
 the best and the median time to it, losers' GPU time and the told values that were lower bounds
-(the search ended before any step failed).
+(the search ended before any step failed); then the differences between strategies per seed set,
+paired by seed (:func:`differences`).
 
 Usage:
     python -m benchmarks.search_efficiency benchmarks/data/capacity_table_cpu.json \
@@ -526,9 +527,8 @@ def replication_rows(
     decile (:func:`top_decile`) at each fraction, the returned configuration's true mean capacity
     (req/s) at the whole budget, the seeds that reached the table's best and the median time to
     it (a share of the grid's time; inf: not reached in half the seeds), the mean GPU time of a
-    losing trial, the told values that were lower bounds, and where step seconds came from."""
-    full, start = table.full_grid_s(), table.truth[table.baseline]
-    top = top_decile(table)
+    losing trial, the told values that were lower bounds, and where step seconds came from.
+    ``per_seed``: each seed's shares and returned capacity (what :func:`differences` pairs)."""
     sets = dict(seed_sets)
     if len(sets) > 1:
         sets["all"] = sorted({s for seeds in seed_sets.values() for s in seeds})
@@ -536,30 +536,43 @@ def replication_rows(
     for name, rs in runs.items():
         for set_name, seeds in sets.items():
             chosen = [r for r in rs if r.seed in set(seeds)]
-            if not chosen:
-                continue
-            row: dict[str, Any] = {"strategy": name, "seeds": set_name, "n": len(chosen)}
-            row["trials"] = statistics.fmean(r.trials for r in chosen)
-            for f in fractions:
-                pct = round(f * 100)
-                shares = [best_at(r, f * full, start) / table.best for r in chosen]
-                row[f"share_{pct}"], row[f"share_{pct}_ci"] = _mean_ci(shares)
-                keys = [found_key_at(r, f * full, table.baseline) for r in chosen]
-                row[f"top_decile_{pct}"] = sum(k in top for k in keys)
-            returned = [table.truth[found_key_at(r, full, table.baseline)] for r in chosen]
-            row["returned_rps"], row["returned_rps_ci"] = _mean_ci(returned)
-            times = [time_to(r, table.best) for r in chosen]
-            row["reached_best"] = sum(math.isfinite(t) for t in times)
-            row["median_to_best"] = statistics.median(times) / full
-            losing = [s for r in chosen for s in r.losing_trial_s]
-            row["losing_trial_s"] = statistics.fmean(losing) if losing else math.nan
-            row["lower_bounds"] = sum(r.lower_bounds for r in chosen)
-            sources: Counter[str] = Counter()
-            for r in chosen:
-                sources.update(r.step_sources)
-            row["step_sources"] = {k: sources[k] for k in SOURCES}
-            rows.append(row)
+            if chosen:
+                rows.append(_replication_row(table, chosen, fractions, name, set_name))
     return rows
+
+
+def _replication_row(
+    table: Table, chosen: list[Run], fractions: tuple[float, ...], name: str, set_name: str
+) -> dict[str, Any]:
+    """:func:`replication_rows`'s row of one strategy's runs of one seed set."""
+    full, start, top = table.full_grid_s(), table.truth[table.baseline], top_decile(table)
+    row: dict[str, Any] = {"strategy": name, "seeds": set_name, "n": len(chosen)}
+    row["trials"] = statistics.fmean(r.trials for r in chosen)
+    per_seed: dict[int, dict[str, float]] = {r.seed: {} for r in chosen}
+    for f in fractions:
+        pct = round(f * 100)
+        for r in chosen:
+            per_seed[r.seed][f"share_{pct}"] = best_at(r, f * full, start) / table.best
+        shares = [per_seed[r.seed][f"share_{pct}"] for r in chosen]
+        row[f"share_{pct}"], row[f"share_{pct}_ci"] = _mean_ci(shares)
+        keys = [found_key_at(r, f * full, table.baseline) for r in chosen]
+        row[f"top_decile_{pct}"] = sum(k in top for k in keys)
+    for r in chosen:
+        per_seed[r.seed]["returned_rps"] = table.truth[found_key_at(r, full, table.baseline)]
+    returned = [per_seed[r.seed]["returned_rps"] for r in chosen]
+    row["returned_rps"], row["returned_rps_ci"] = _mean_ci(returned)
+    times = [time_to(r, table.best) for r in chosen]
+    row["reached_best"] = sum(math.isfinite(t) for t in times)
+    row["median_to_best"] = statistics.median(times) / full
+    losing = [s for r in chosen for s in r.losing_trial_s]
+    row["losing_trial_s"] = statistics.fmean(losing) if losing else math.nan
+    row["lower_bounds"] = sum(r.lower_bounds for r in chosen)
+    sources: Counter[str] = Counter()
+    for r in chosen:
+        sources.update(r.step_sources)
+    row["step_sources"] = {k: sources[k] for k in SOURCES}
+    row["per_seed"] = per_seed
+    return row
 
 
 def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
@@ -617,8 +630,10 @@ def differences(
 ) -> list[dict[str, Any]]:
     """Per pair of strategies that both ran and seed set of :func:`replication_rows`: the first
     minus the second, in points of the table's best at each fraction of the grid's time and in
-    req/s of the returned configuration's true mean, each with the 95 % half-width of a
-    difference of two independent means (sqrt(h1^2 + h2^2)): a difference inside it is not one
+    req/s of the returned configuration's true mean, paired by seed (the strategies ran the same
+    seeds): the mean of the per-seed differences over the seeds both ran (``n``), with the 95 %
+    half-width of that mean from the per-seed differences' standard deviation and Student's t
+    quantile (n - 1 degrees of freedom; nan below 2 seeds). A difference inside it is not one
     this many seeds can tell from noise."""
     by = {(r["strategy"], r["seeds"]): r for r in rows}
     out = []
@@ -627,12 +642,26 @@ def differences(
             rb = by.get((b, seeds))
             if name != a or rb is None:
                 continue
-            d: dict[str, Any] = {"pair": f"{a} - {b}", "seeds": seeds}
+            both = sorted(set(ra["per_seed"]) & set(rb["per_seed"]))
+            d: dict[str, Any] = {"pair": f"{a} - {b}", "seeds": seeds, "n": len(both)}
             for key in [f"share_{round(f * 100)}" for f in FRACTIONS] + ["returned_rps"]:
-                d[key] = ra[key] - rb[key]
-                d[f"{key}_ci"] = math.hypot(ra[f"{key}_ci"], rb[f"{key}_ci"])
+                per = [ra["per_seed"][s][key] - rb["per_seed"][s][key] for s in both]
+                d[key], d[f"{key}_ci"] = _paired_ci(per)
             out.append(d)
     return out
+
+
+def _paired_ci(diffs: list[float]) -> tuple[float, float]:
+    """The mean of per-seed differences and its 95 % half-width (Student's t, n - 1 df)."""
+    from scipy.stats import t
+
+    if not diffs:
+        return math.nan, math.nan
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan
+    n = len(diffs)
+    return mean, float(t.ppf(0.975, n - 1)) * statistics.stdev(diffs) / math.sqrt(n)
 
 
 def print_differences(diffs: list[dict[str, Any]]) -> None:
@@ -640,6 +669,7 @@ def print_differences(diffs: list[dict[str, Any]]) -> None:
     if not diffs:
         return
     pcts = [round(f * 100) for f in FRACTIONS]
+    print("paired by seed: the mean per-seed difference ± its 95 % half-width (Student's t)")
     print(
         "| difference | seeds | points of the best at "
         + " / ".join(str(p) for p in pcts)

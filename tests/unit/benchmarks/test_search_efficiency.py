@@ -174,32 +174,60 @@ def test_seed_sets_are_disjoint_ranges() -> None:
         parse_seed_sets("0-19,10-29")
 
 
-def test_differences_pair_strategies_per_seed_set_with_the_combined_half_width() -> None:
-    from benchmarks.search_efficiency import differences
+def test_differences_pair_strategies_per_seed_set_and_per_seed() -> None:
+    from benchmarks.search_efficiency import differences, replication_rows
+    from benchmarks.search_table import Run
 
-    def row(strategy: str, seeds: str, share: float, rps: float) -> dict:
-        r = {"strategy": strategy, "seeds": seeds, "returned_rps": rps, "returned_rps_ci": 4.0}
-        for p in (25, 50, 100):
-            r[f"share_{p}"], r[f"share_{p}_ci"] = share, 0.03
-        return r
+    table = tiny_table(6)  # truths 2 .. 7 req/s, the best 7
+    keys = [table.key({"x": x}) for x in range(6)]
 
-    rows = [
-        row("tpe-racing", "0-19", 0.9, 100.0),
-        row("random-racing", "0-19", 0.8, 90.0),
-        row("tpe-racing", "all", 0.85, 95.0),
-        row("random-racing", "all", 0.85, 97.0),
-        row("tpe", "all", 0.7, 80.0),  # random did not run: no "tpe - random"
-    ]
-    diffs = differences(rows)
-    assert [(d["pair"], d["seeds"]) for d in diffs] == [
-        ("tpe-racing - random-racing", "0-19"),
-        ("tpe-racing - random-racing", "all"),
-        ("tpe-racing - tpe", "all"),  # tpe ran on "all" only
-    ]
-    assert diffs[0]["share_50"] == pytest.approx(0.1)
-    assert diffs[0]["share_50_ci"] == pytest.approx(math.hypot(0.03, 0.03))
-    assert diffs[1]["returned_rps"] == pytest.approx(-2.0)
-    assert diffs[1]["returned_rps_ci"] == pytest.approx(math.hypot(4.0, 4.0))
+    def runs(shift: int, seeds: range) -> list[Run]:
+        """Seed s returns the point of truth 2 + s + shift at its first trial."""
+        return [
+            Run(curve=[(1.0, table.truth[keys[s + shift]])], curve_keys=[keys[s + shift]], seed=s)
+            for s in seeds
+        ]
+
+    found = {
+        "tpe-racing": runs(1, range(4)),
+        "random-racing": runs(0, range(4)),
+        "tpe": runs(0, range(4)),
+        "random": runs(0, range(4)),  # tpe's runs exactly
+        "random-3": runs(0, range(3)),
+    }
+    rows = replication_rows(table, found, {"0-1": [0, 1], "2-3": [2, 3]})
+    diffs = {(d["pair"], d["seeds"]): d for d in differences(rows)}
+    assert set(diffs) == {
+        (f"{a} - {b}", seeds)
+        for a, b in [
+            ("tpe-racing", "random-racing"),
+            ("tpe", "random"),
+            ("random-racing", "random"),
+            ("tpe-racing", "tpe"),
+        ]
+        for seeds in ("0-1", "2-3", "all")
+    }
+    # The same seeds with the same results: no difference, and no doubt about it (the
+    # strategies' own spreads over seeds do not enter a paired difference).
+    same = diffs[("tpe - random", "all")]
+    assert rows[0]["returned_rps_ci"] > 0.5
+    for key in ("share_25", "share_50", "share_100", "returned_rps"):
+        assert (same[key], same[f"{key}_ci"]) == (0.0, 0.0)
+    assert same["n"] == 4
+    # One point better at every seed: the shift, with a half-width of 0.
+    shift = diffs[("tpe-racing - random-racing", "all")]
+    assert shift["returned_rps"] == pytest.approx(1.0)
+    assert shift["returned_rps_ci"] == pytest.approx(0.0, abs=1e-9)
+    assert shift["share_100"] == pytest.approx(1 / 7)
+    assert shift["share_100_ci"] == pytest.approx(0.0, abs=1e-9)
+    # Only the seeds both ran are paired; the half-width is Student's t of the differences.
+    rows = replication_rows(
+        table, {"a": runs(0, range(4)), "b": found["random-3"]}, {"0-3": [0, 1, 2, 3]}
+    )
+    rows[0]["per_seed"][0]["returned_rps"] += 3.0
+    (d,) = differences(rows, [("a", "b")])
+    assert d["n"] == 3 and d["returned_rps"] == pytest.approx(1.0)
+    assert d["returned_rps_ci"] == pytest.approx(4.302653 * statistics.stdev([3, 0, 0]) / 3**0.5)
 
 
 def test_the_tables_job_is_found_by_its_study_name(tmp_path) -> None:
