@@ -36,7 +36,10 @@ share of the best at 25 / 50 / 100 %, the seeds whose returned configuration is 
 top decile by true mean, the returned configuration's true mean capacity, the seeds that reached
 the best and the median time to it, losers' GPU time and the told values that were lower bounds
 (the search ended before any step failed); then the differences between strategies per seed set,
-paired by seed (:func:`differences`).
+paired by seed (:func:`differences`); and per strategy its trials by the origin of their proposal
+(the model's own, its acquisition in place of a held configuration, a random fallback, the
+sampler's startup draws: :class:`optimizer.sampling.KnowledgeSampler`'s ``origins``; a strategy
+without a model, its own draws) and its proposals refused as held (:func:`print_origins`).
 
 Usage:
     python -m benchmarks.search_efficiency benchmarks/data/capacity_table_cpu.json \
@@ -74,6 +77,10 @@ from optimizer.types import CapacitySettings
 STRATEGIES = ("tpe-racing", "random-racing", "tpe", "gp", "random", "grid", "one-at-a-time")
 RACING = ("tpe-racing", "random-racing", "tpe-warm")  # the strategies that race the incumbent
 WARM = "tpe-warm"
+MODEL_STRATEGIES = ("tpe-racing", "tpe", "gp", WARM)  # proposals of a model (KnowledgeSampler)
+# A measured trial's origin (Run.origins): the sampler's (optimizer.sampling.KnowledgeSampler's
+# origins), "own" (a strategy without a model), the baseline, a warm start's enqueued ones.
+ORIGINS = ("model", "own", "acquisition", "random", "startup", "baseline", "enqueued")
 # The tuning guide's order; each name is a grid param when the table's grid has it.
 GUIDE_ORDER = (
     "max-model-len",
@@ -146,29 +153,37 @@ def run_sampler(
     budget_s: float,
     warm: Warm | None = None,
 ) -> Run:
-    """One offline study of an Optuna sampler until the budget or the grid is spent."""
+    """One offline study of an Optuna sampler until the budget or the grid is spent. Each
+    measured trial is counted by its proposal's origin (:func:`_origin`), each proposal of a
+    configuration the study has measured (refused: nothing measured) in ``refused_held``."""
     if name == WARM and warm is None:
         raise SystemExit(f"{WARM} needs --warm-from FOLDER (an earlier study of this grid)")
     racing = name in RACING  # random-racing: the random sampler through the same path
-    study_ = OfflineStudy(table, settings, racing=racing, rng=random.Random(seed))
-    study_.run.seed = seed
-    study_.measure(table.baseline)
-    study = optuna.create_study(direction="maximize", sampler=_sampler(name, table, seed, warm))
-    for key in warm.top if name == WARM and warm else ():
+    study_ = _begin(table, settings, seed, racing)
+    sampler = _sampler(name, table, seed, warm)
+    origins: Counter[str] | None = getattr(sampler, "origins", None)  # KnowledgeSampler's
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    enqueued = list(warm.top) if name == WARM and warm else []
+    for key in enqueued:
         study.enqueue_trial(json.loads(key))
-    repeats = 0
+    repeats = asked = 0
     # measured holds the baseline, one of table.configs: all measured ends the study.
     while study_.seconds < budget_s and len(study_.measured) < len(table.configs) and repeats < 50:
+        before = Counter(origins) if origins is not None else None
         trial = study.ask()
         params = {k: trial.suggest_categorical(k, v) for k, v in table.grid.items()}
+        origin = "enqueued" if asked < len(enqueued) else _origin(name, origins, before)
+        asked += 1
         key = table.key(params)
         if key in study_.measured or key not in table.configs:
             # A real study starts no engine twice for one configuration; a partial table (no
             # result) has points nobody measured.
+            study_.run.refused_held += key in study_.measured
             repeats += 1
             study.tell(trial, state=TrialState.FAIL)
             continue
         repeats = 0
+        study_.run.origins[origin] += 1
         told, _raced = study_.measure(key)
         if told is None:
             trial.report(study_.upper_rps, 0)  # as the real driver tells a raced-out trial
@@ -178,27 +193,45 @@ def run_sampler(
     return study_.run
 
 
+def _begin(table: Table, settings: CapacitySettings, seed: int, racing: bool) -> OfflineStudy:
+    """An offline study of the seed with its first trial measured: the baseline."""
+    study_ = OfflineStudy(table, settings, racing=racing, rng=random.Random(seed))
+    study_.run.seed = seed
+    study_.measure(table.baseline)
+    study_.run.origins["baseline"] += 1
+    return study_
+
+
+def _origin(name: str, origins: Counter[str] | None, before: Counter[str] | None) -> str:
+    """The origin of the proposal just asked: the one key the sampler's ``origins`` counter
+    (:class:`optimizer.sampling.KnowledgeSampler`) gained; ``own`` for a strategy without a
+    model (its own draw); ``unattributed`` where a model's sampler counts none (or several)."""
+    if name not in MODEL_STRATEGIES:
+        return "own"
+    if origins is None or before is None:
+        return "unattributed"
+    gained = origins - before
+    return next(iter(gained)) if sum(gained.values()) == 1 else "unattributed"
+
+
 def run_grid(table: Table, settings: CapacitySettings, seed: int, budget_s: float) -> Run:
     """Every grid point once, in a random order of the seed, until the budget or the grid is
     spent. Not Optuna's GridSampler: it stops the study when the grid is spent, which works
     only inside ``study.optimize`` (this benchmark asks and tells by hand)."""
-    study_ = OfflineStudy(table, settings, racing=False, rng=random.Random(seed))
-    study_.run.seed = seed
-    study_.measure(table.baseline)
+    study_ = _begin(table, settings, seed, racing=False)
     order = sorted(k for k in table.configs if k != table.baseline)
     random.Random(f"grid order {seed}").shuffle(order)  # not the draws' stream
     for key in order:
         if study_.seconds >= budget_s:
             break
         study_.measure(key)
+        study_.run.origins["own"] += 1
     return study_.run
 
 
 def run_one_at_a_time(table: Table, settings: CapacitySettings, seed: int, budget_s: float) -> Run:
     """The tuning guide by hand: one parameter at a time, in its order, from the defaults."""
-    study_ = OfflineStudy(table, settings, racing=False, rng=random.Random(seed))
-    study_.run.seed = seed
-    study_.measure(table.baseline)
+    study_ = _begin(table, settings, seed, racing=False)
     current = {k: _nearest_default(k, v) for k, v in table.grid.items()}
     start_key = table.key(current)
     best = (study_.measure(start_key)[0] or 0.0) if start_key in table.configs else 0.0
@@ -214,6 +247,7 @@ def run_one_at_a_time(table: Table, settings: CapacitySettings, seed: int, budge
             told = study_.measure(key)[0] or 0.0
             if told > best:
                 best, current = told, candidate
+    study_.run.origins["own"] += study_.run.trials - 1  # every trial after the baseline
     return study_.run
 
 
@@ -349,7 +383,7 @@ def run_all(
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("table", type=Path)
     ap.add_argument("--seeds", type=int, default=20, help="seeds 0 .. N-1 (or --seed-sets)")
@@ -390,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"an earlier study folder of this grid, for the {WARM} strategy",
     )
-    ns = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
     merge = tuple(m for m in ns.merge.split(",") if m)
     doc = json.loads(ns.table.read_text())
     table = load_table(
@@ -416,6 +454,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     runs = run_all(table, settings, ns.strategies.split(","), seeds, budget, print, warm)
     rows = summarize_runs(table, runs, table.full_grid_s())
+    print_summary(table, rows)
+    print_found_at(table, runs)
+    replication = replication_rows(table, runs, seed_sets)
+    print_replication(table, replication)
+    diffs = differences(replication)
+    print_differences(diffs)
+    origins = origin_rows(runs)
+    print_origins(origins)
+    if ns.png:
+        plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {len(seeds)} seeds each")
+    if ns.json:
+        doc = {
+            "rows": rows,
+            "replication": replication,
+            "differences": diffs,
+            "origins": origins,
+        }
+        ns.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return 0
+
+
+def print_summary(table: Table, rows: list[dict[str, Any]]) -> None:
+    """The table's size and best, then :func:`summarize_runs`'s rows."""
     print(
         f"table: {len(table.configs)} configurations; best {table.best:.3g} req/s; "
         f"the grid's GPU time {table.full_grid_s() / 3600:.2f} h; step seconds {table.step_seconds}"
@@ -436,17 +497,6 @@ def main(argv: list[str] | None = None) -> int:
             + f" {r['losing_trial_s']:14.0f}"
         )
     print("* some seeds never reached it within the budget (median over all, unreached = inf)")
-    print_found_at(table, runs)
-    replication = replication_rows(table, runs, seed_sets)
-    print_replication(table, replication)
-    diffs = differences(replication)
-    print_differences(diffs)
-    if ns.png:
-        plot(curves(table, runs, budget), ns.png, f"{ns.table.name}: {len(seeds)} seeds each")
-    if ns.json:
-        doc = {"rows": rows, "replication": replication, "differences": diffs}
-        ns.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    return 0
 
 
 def found_at(
@@ -684,6 +734,54 @@ def print_differences(diffs: list[dict[str, Any]]) -> None:
             f"| {d['pair']} | {d['seeds']} | {points} "
             f"| {d['returned_rps']:+.1f} ± {d['returned_rps_ci']:.1f} |"
         )
+
+
+def origin_rows(runs: Mapping[str, list[Run]]) -> list[dict[str, Any]]:
+    """Per strategy: its measured trials by origin (:data:`ORIGINS`, and ``unattributed``) and
+    its proposals refused as held, each as the mean per run over seeds and the total."""
+    rows = []
+    for name, rs in runs.items():
+        row: dict[str, Any] = {"strategy": name, "seeds": len(rs)}
+        counts = {"trials": [r.trials for r in rs], "refused_held": [r.refused_held for r in rs]}
+        for key in (*ORIGINS, "unattributed"):
+            counts[key] = [r.origins[key] for r in rs]
+        for key, values in counts.items():
+            row[key], row[f"{key}_total"] = statistics.fmean(values), sum(values)
+        rows.append(row)
+    return rows
+
+
+def print_origins(rows: list[dict[str, Any]]) -> None:
+    """Where the strategies' trials came from (markdown): mean per run (total over seeds)."""
+
+    def cell(row: Mapping[str, Any], *keys: str) -> str:
+        mean = sum(row[k] for k in keys)
+        return f"{mean:.1f} ({sum(row[f'{k}_total'] for k in keys)})"
+
+    print("trials by the origin of their proposal, mean per run (total over seeds):")
+    print(
+        "| strategy | trials | model's own | acquisition | random fallback | startup "
+        "| refused as held |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cells = [
+            cell(r, "trials"),
+            cell(r, "model", "own"),
+            *(cell(r, k) for k in ("acquisition", "random", "startup", "refused_held")),
+        ]
+        print(f"| {r['strategy']} | " + " | ".join(cells) + " |")
+    print(
+        "trials include the baseline (vLLM's defaults) and a warm start's enqueued ones; "
+        "model's own: a strategy without a model (random, grid, one-at-a-time) counts its own "
+        "draws there; refused as held: proposals of a configuration already measured (no trial)"
+    )
+    for r in rows:
+        if r["unattributed_total"] or r["enqueued_total"]:
+            print(
+                f"{r['strategy']}: {r['enqueued_total']} enqueued, "
+                f"{r['unattributed_total']} unattributed (the sampler counted no origin)"
+            )
 
 
 DATA_DIR = Path(__file__).resolve().parent / "data"

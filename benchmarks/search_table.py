@@ -288,6 +288,8 @@ class Run:
     curve_keys: list[str] = field(default_factory=list)  # the found configuration per trial
     lower_bounds: int = 0  # told trials whose search ended with no failing step (hi unknown)
     seed: int = -1
+    origins: Counter[str] = field(default_factory=Counter)  # measured trials by origin
+    refused_held: int = 0  # proposals of a configuration already measured (nothing measured)
 
 
 class OfflineStudy:

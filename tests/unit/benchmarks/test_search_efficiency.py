@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import optuna
 import pytest
 
 from benchmarks.search_efficiency import (
@@ -74,6 +77,10 @@ def test_the_command_prints_its_table_and_draws_the_curves(tmp_path, capsys) -> 
     assert {r["strategy"] for r in doc["rows"]} == set(STRATEGIES)
     assert {r["strategy"] for r in doc["replication"]} == set(STRATEGIES)
     assert "| random-racing | 0-1 |" in out and "in the top decile at 25 / 50 / 100 %" in out
+    assert "| strategy | trials | model's own | acquisition | random fallback |" in out
+    origins = {r["strategy"]: r for r in doc["origins"]}
+    assert set(origins) == set(STRATEGIES)
+    assert origins["grid"]["own_total"] == origins["grid"]["trials_total"] - 2  # 2 baselines
 
 
 def test_a_warm_start_measures_the_earlier_best_first_and_gives_tpe_the_priors() -> None:
@@ -294,3 +301,76 @@ def test_a_run_that_measured_every_configuration_asks_no_more(monkeypatch) -> No
     # The baseline and the one grid point: measured, nothing is left to ask for.
     assert run.trials == 2
     assert [t.state.name for t in studies[0].trials] == ["COMPLETE"]
+
+
+class FakeOriginsSampler(optuna.samplers.BaseSampler):
+    """A FAKE of the tuner's KnowledgeSampler as the benchmark reads it: scripted proposals,
+    each counted in ``origins`` under its scripted origin."""
+
+    def __init__(self, script: list[tuple[int, str]]) -> None:
+        self.script = list(script)
+        self.origins: Counter[str] = Counter()
+        self.proposal: dict[str, int] = {}
+
+    def infer_relative_search_space(self, study: object, trial: object) -> dict:
+        return {}
+
+    def sample_relative(self, study: object, trial: object, search_space: object) -> dict:
+        x, origin = self.script.pop(0)
+        self.proposal = {"x": x}
+        self.origins[origin] += 1
+        return {}
+
+    def sample_independent(self, study: object, trial: object, name: str, dist: object) -> int:
+        return self.proposal[name]
+
+
+def test_each_trial_is_counted_by_the_origin_of_its_proposal(monkeypatch, capsys) -> None:
+    import benchmarks.search_efficiency as se
+
+    script = [(0, "startup"), (0, "model"), (1, "model"), (2, "acquisition"), (3, "random")]
+    fakes: list[FakeOriginsSampler] = []
+    real = se._sampler
+
+    def fake(name: str, *args: Any) -> optuna.samplers.BaseSampler:
+        if name not in se.MODEL_STRATEGIES:
+            return real(name, *args)
+        fakes.append(FakeOriginsSampler(script))
+        return fakes[-1]
+
+    monkeypatch.setattr(se, "_sampler", fake)
+    table = tiny_table(4)
+    runs = {
+        "tpe": [se.run_sampler("tpe", table, SETTINGS, seed=s, budget_s=math.inf) for s in (0, 1)]
+    }
+    runs["random"] = [se.run_strategy("random", table, SETTINGS, seed=0, budget_s=math.inf)]
+    runs["grid"] = [se.run_strategy("grid", table, SETTINGS, seed=0, budget_s=math.inf)]
+    runs["one-at-a-time"] = [se.run_strategy("one-at-a-time", table, SETTINGS, 0, math.inf)]
+    for run in runs["tpe"]:
+        assert run.trials == 5  # the baseline and the 4 points; x=0 again was refused
+        assert run.origins == {
+            "baseline": 1,
+            "startup": 1,
+            "model": 1,
+            "acquisition": 1,
+            "random": 1,
+        }
+        assert run.refused_held == 1
+    assert all(not f.script for f in fakes)  # every proposal asked, none more
+    # The strategies without a model: every trial after the baseline is their own draw.
+    for name in ("random", "grid", "one-at-a-time"):
+        (run,) = runs[name]
+        assert run.origins == {"baseline": 1, "own": run.trials - 1}, name
+    rows = {r["strategy"]: r for r in se.origin_rows(runs)}
+    assert rows["tpe"]["trials"] == 5 and rows["tpe"]["trials_total"] == 10
+    assert (rows["tpe"]["refused_held"], rows["tpe"]["refused_held_total"]) == (1, 2)
+    assert (rows["tpe"]["model"], rows["tpe"]["model_total"]) == (1, 2)
+    assert rows["grid"]["own_total"] == 4 and rows["grid"]["startup_total"] == 0
+    se.print_origins(list(rows.values()))
+    out = capsys.readouterr().out
+    assert (
+        "| strategy | trials | model's own | acquisition | random fallback | startup "
+        "| refused as held |" in out
+    )
+    assert "| tpe | 5.0 (10) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 1.0 (2) |" in out
+    assert "| grid | 5.0 (5) | 4.0 (4) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) |" in out
