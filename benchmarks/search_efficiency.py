@@ -105,7 +105,7 @@ class Warm:
 def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
     """What ``warm_start: {studies: [folder], top: 3}`` in ``job_file`` (the grid's job) takes
     from an earlier study folder, through the product's own functions, on the table's grid."""
-    from optuna.distributions import CategoricalDistribution
+    from optuna.distributions import BaseDistribution, CategoricalDistribution
 
     from optimizer.config import WarmStartSection, load_job
     from optimizer.study import _job_space, _with_warm_start, job_objectives
@@ -117,7 +117,9 @@ def load_warm(folder: Path, table: Table, job_file: Path, top: int = 3) -> Warm:
     job = job.model_copy(update={"warm_start": section, "sampler": tpe})
     space = _job_space(job)
     _job, configs, _notes, priors = _with_warm_start(job, Path("."), space, job_objectives(job))
-    dists = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
+    dists: dict[str, BaseDistribution] = {
+        k: CategoricalDistribution(v) for k, v in table.grid.items()
+    }
     on_grid = []
     for p in priors.trials:  # the same points under the table's distributions (choice order)
         t = optuna.trial.create_trial(
