@@ -16,13 +16,20 @@ the prior observations a warm start brings.
 
 and it never proposes a configuration the study already holds (measured, running or waiting)
 when it can propose another: in a small discrete space TPE converges and keeps proposing its
-best point, which the driver refuses as a duplicate (no server starts, the trial count is
-spent) and which TPE, not learning from the refusal, proposes again. A proposal that repeats a
-held configuration is asked again a few times (the sampler's random draws differ), then
-replaced by a configuration nobody holds, drawn by Optuna's random sampler (its laws: a log
-scale stays one) until one is free; during the sampler's startup (its own random draws) the
-draws skip the held configurations the same way. A conditional space (``when``) is not covered:
-a proposal there is compared on the params every trial sets, which few trials hold.
+best point, which the driver would refuse as a duplicate (no server starts, the trial count is
+spent). When the model's proposal repeats a held configuration, the wrapper takes **the model's
+best-scoring free configuration**: its own acquisition (TPE's log l(x) - log g(x), GP's
+acquisition function) evaluated over the configurations nobody holds (every one of them where
+the space lists, else a few hundred free random draws), never a plain random draw while the
+model can score; only where the model cannot score (too few trials for it) is a free random
+draw taken. During the sampler's startup (its own random draws) the draws skip the held
+configurations the same way. Every proposal's origin is counted in
+:attr:`KnowledgeSampler.origins` and stored on its trial (system attr :data:`ORIGIN_ATTR`):
+``startup`` (the sampler's own random start), ``model`` (its proposal, free as proposed),
+``acquisition`` (its best free configuration in place of a held one), ``random`` (a free random
+draw in place of a held one), ``enqueued`` (a configuration fixed before the trial: the
+baseline, a warm start's). A conditional space (``when``) is not covered: a proposal there is
+compared on the params every trial sets, which few trials hold.
 
 Everything else (storage writes, directions, the study's id) goes to the real study.
 """
@@ -31,12 +38,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import random
 import warnings
+from collections import Counter
 from collections.abc import Container, Sequence
 from typing import Any, cast
 
+import numpy as np
 import optuna
 from optuna.distributions import (
     BaseDistribution,
@@ -44,13 +54,19 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
 )
-from optuna.samplers import BaseSampler
+from optuna.samplers import BaseSampler, GPSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["MODEL_SAMPLERS", "KnowledgeSampler", "model_sampler"]
+__all__ = ["MODEL_SAMPLERS", "ORIGINS", "ORIGIN_ATTR", "KnowledgeSampler", "model_sampler"]
 
 MODEL_SAMPLERS = ("tpe", "gp")
 """Samplers that learn from trials (and so from a warm start's priors)."""
+
+ORIGIN_ATTR = "vllm_autotune:origin"
+"""The trial system attr that says where its configuration came from (one of :data:`ORIGINS`)."""
+
+ORIGINS = ("startup", "model", "acquisition", "random", "enqueued")
+"""Where a proposal came from (see the module docstring)."""
 
 
 def model_sampler(
@@ -62,15 +78,17 @@ def model_sampler(
     """TPE or GP as every study runs them, wrapped in :class:`KnowledgeSampler`.
 
     TPE is multivariate with groups (conditional params form separate groups) and a constant
-    liar (parallel trials do not propose the same configuration).
+    liar (parallel trials do not propose the same configuration). Both can score a list of
+    free configurations with their own acquisition (:meth:`_FreeTPESampler.best_of`,
+    :meth:`_FreeGPSampler.best_of`).
     """
     inner: BaseSampler
     if name == "gp":
-        inner = optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials)
+        inner = _FreeGPSampler(seed=seed, n_startup_trials=n_startup_trials)
     elif name == "tpe":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            inner = optuna.samplers.TPESampler(
+            inner = _FreeTPESampler(
                 seed=seed,
                 multivariate=True,
                 group=True,
@@ -80,6 +98,111 @@ def model_sampler(
     else:
         raise ValueError(f"{name!r} is not one of {MODEL_SAMPLERS}")
     return KnowledgeSampler(inner, priors, seed=seed)
+
+
+class _FreeTPESampler(TPESampler):
+    """Optuna's TPE that can also score given configurations with its acquisition."""
+
+    def best_of(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        candidates: Sequence[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """The candidate with the highest log l(x) - log g(x) (TPE's acquisition, its
+        estimators built as for its own proposal), or None before its startup ends."""
+        told = study._get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        if not candidates or len(told) < self._n_startup_trials:
+            return None
+        below, above = self._estimators(study, trial, space)
+        samples = {
+            name: np.asarray([dist.to_internal_repr(c[name]) for c in candidates], dtype=float)
+            for name, dist in space.items()
+        }
+        scores = self._compute_acquisition_func(samples, below, above)
+        chosen = dict(candidates[int(np.argmax(scores))])
+        if self._constant_liar:
+            # Parallel workers read a running trial's proposal from these attrs, which hold the
+            # held configuration TPE first proposed: the replacement goes in its place.
+            from optuna.samplers._tpe.sampler import _RELATIVE_PARAMS_KEY, _SYSTEM_ATTR_MAX_LENGTH
+
+            text = json.dumps(chosen)
+            for i in range(0, len(text), _SYSTEM_ATTR_MAX_LENGTH):
+                key = f"{_RELATIVE_PARAMS_KEY}:{i // _SYSTEM_ATTR_MAX_LENGTH}"
+                study._storage.set_trial_system_attr(
+                    trial._trial_id, key, text[i : i + _SYSTEM_ATTR_MAX_LENGTH]
+                )
+        return chosen
+
+    def _estimators(
+        self, study: optuna.Study, trial: FrozenTrial, space: dict[str, BaseDistribution]
+    ) -> tuple[Any, Any]:
+        """l(x) and g(x) exactly as :meth:`TPESampler._sample` builds them (Optuna 5)."""
+        from optuna.samplers._tpe.sampler import _split_trials, default_gamma
+
+        states = [TrialState.COMPLETE, TrialState.PRUNED]
+        if self._constant_liar:
+            states.append(TrialState.RUNNING)
+        trials = [
+            t
+            for t in study._get_trials(deepcopy=False, states=states, use_cache=False)
+            if t.number != trial.number
+        ]
+        if self._gamma is None:
+            self._gamma = default_gamma if len(study.directions) <= 1 else _multi_gamma()
+        n = sum(t.state != TrialState.RUNNING for t in trials)
+        below, above = _split_trials(study, trials, self._gamma(n))
+        return (
+            self._build_parzen_estimator(study, space, below, handle_below=True),
+            self._build_parzen_estimator(study, space, above, handle_below=False),
+        )
+
+
+def _multi_gamma() -> Any:
+    from optuna.samplers._tpe.sampler import default_gamma_multiobjective
+
+    return default_gamma_multiobjective
+
+
+class _FreeGPSampler(GPSampler):
+    """Optuna's GP sampler that can also score given configurations with its acquisition."""
+
+    _candidates: Sequence[dict[str, Any]] | None = None
+    _candidate_space: dict[str, BaseDistribution] | None = None
+
+    def best_of(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        candidates: Sequence[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """The candidate with the highest acquisition (the GP fitted as for its own proposal;
+        :meth:`_optimize_acqf` evaluates the candidates instead of optimizing), or None before
+        its startup ends."""
+        if not candidates:
+            return None
+        self._candidates, self._candidate_space = candidates, space
+        self._chosen: dict[str, Any] | None = None
+        try:
+            params = self.sample_relative(study, trial, space)
+        finally:
+            self._candidates = self._candidate_space = None
+        return self._chosen if params else None
+
+    def _optimize_acqf(self, acqf: Any, best_params: np.ndarray | None) -> np.ndarray:
+        if self._candidates is None or self._candidate_space is None:
+            return super()._optimize_acqf(acqf, best_params)
+        from optuna._gp.search_space import SearchSpace
+
+        cands = self._candidates
+        normalized = SearchSpace(self._candidate_space).get_normalized_params(
+            cast(list[FrozenTrial], [None] * len(cands)), [dict(c) for c in cands]
+        )
+        best = int(np.argmax(acqf.eval_acqf_no_grad(normalized)))
+        self._chosen = dict(cands[best])
+        return cast(np.ndarray, normalized[best])
 
 
 class _StudyView:
@@ -127,9 +250,8 @@ class KnowledgeSampler(BaseSampler):
         priors: Finished trials of earlier studies on this search space, numbered -1.
     """
 
-    retries = 2
-    """Times a repeated proposal is asked again before a novel one is drawn (GP refits each
-    time: kept small)."""
+    candidates = 512
+    """Free random draws the model scores where the space is too large (or continuous) to list."""
 
     def __init__(
         self, inner: BaseSampler, priors: Sequence[FrozenTrial] = (), seed: int | None = None
@@ -140,8 +262,13 @@ class KnowledgeSampler(BaseSampler):
         self.priors = tuple(priors)
         self._rng = random.Random(seed)
         self._random = optuna.samplers.RandomSampler(seed=seed)
-        self.replaced = 0
-        """Proposals replaced by a novel configuration (for tests and benchmarks)."""
+        self.origins: Counter[str] = Counter()
+        """Proposals by origin (:data:`ORIGINS`), for reports, tests and benchmarks."""
+
+    @property
+    def replaced(self) -> int:
+        """Proposals of a held configuration replaced by a free one (acquisition or random)."""
+        return self.origins["acquisition"] + self.origins["random"]
 
     def _view(self, study: optuna.Study) -> optuna.Study:
         return cast(optuna.Study, _StudyView(study, self.priors))
@@ -157,26 +284,58 @@ class KnowledgeSampler(BaseSampler):
         trial: FrozenTrial,
         search_space: dict[str, BaseDistribution],
     ) -> dict[str, Any]:
+        if "fixed_params" in trial.system_attrs:
+            return {}  # counted in before_trial (its params may never ask the sampler)
         view = self._view(study)
         params = self.inner.sample_relative(view, trial, search_space)
         if not search_space or (params and set(params) != set(search_space)):
+            if not params:
+                self._note(study, trial, "startup")  # independent draws (the first trial)
             return params
         held = _held(study, trial, search_space)
         if not params:
             # The sampler's startup (its independent random draws): the same random law, over
             # the configurations nobody holds.
+            self._note(study, trial, "startup")
             return (self._free(study, trial, search_space, held) if held else None) or params
-        for _ in range(self.retries):
-            if _key(params, search_space) not in held:
-                return params
-            params = self.inner.sample_relative(view, trial, search_space)
         if _key(params, search_space) not in held:
+            self._note(study, trial, "model")
             return params
+        best = self._best_free(view, study, trial, search_space, held)
+        if best is not None:
+            self._note(study, trial, "acquisition")
+            return best
         free = self._free(study, trial, search_space, held)
         if free is None:
+            self._note(study, trial, "model")
             return params  # every configuration is held (or none free was found)
-        self.replaced += 1
+        self._note(study, trial, "random")
         return free
+
+    def _note(self, study: optuna.Study, trial: FrozenTrial, origin: str) -> None:
+        self.origins[origin] += 1
+        study._storage.set_trial_system_attr(trial._trial_id, ORIGIN_ATTR, origin)
+
+    def _best_free(
+        self,
+        view: optuna.Study,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        held: set[tuple[Any, ...]],
+    ) -> dict[str, Any] | None:
+        """The model's best-scoring configuration nobody holds (None: the model cannot score,
+        or none is free). Candidates are every free configuration where the space lists, else
+        :attr:`candidates` free random draws; shuffled, so that ties fall at random."""
+        best_of = getattr(self.inner, "best_of", None)
+        if best_of is None:
+            return None
+        free = _free_list(space, held)
+        if free is None:
+            draws = (self._free(study, trial, space, held) for _ in range(self.candidates))
+            free = [d for d in draws if d is not None]
+        self._rng.shuffle(free)
+        return cast("dict[str, Any] | None", best_of(view, trial, space, free))
 
     def _free(
         self,
@@ -192,7 +351,8 @@ class KnowledgeSampler(BaseSampler):
             draw = {n: self._random.sample_independent(study, trial, n, space[n]) for n in names}
             if _key(draw, space) not in held:
                 return draw
-        return _listed_free(space, held, self._rng)
+        free = _free_list(space, held)
+        return self._rng.choice(free) if free else None
 
     def sample_independent(
         self,
@@ -206,6 +366,8 @@ class KnowledgeSampler(BaseSampler):
         )
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if "fixed_params" in trial.system_attrs:
+            self._note(study, trial, "enqueued")
         self.inner.before_trial(study, trial)
 
     def after_trial(
@@ -274,11 +436,11 @@ def _values(dist: BaseDistribution) -> list[Any] | None:
     return None
 
 
-def _listed_free(
-    space: dict[str, BaseDistribution], held: set[tuple[Any, ...]], rng: random.Random
-) -> dict[str, Any] | None:
-    """A configuration of ``space`` nobody holds, uniformly among all of them listed (None:
-    none free, or the space is continuous or too large to list)."""
+def _free_list(
+    space: dict[str, BaseDistribution], held: set[tuple[Any, ...]]
+) -> list[dict[str, Any]] | None:
+    """Every configuration of ``space`` nobody holds (None: the space is continuous or too
+    large to list)."""
     names = sorted(space)
     values = [_values(space[n]) for n in names]
     lists = [v for v in values if v is not None]
@@ -289,4 +451,4 @@ def _listed_free(
         point = dict(zip(names, combo, strict=True))
         if _key(point, space) not in held:
             free.append(point)
-    return rng.choice(free) if free else None
+    return free
