@@ -499,6 +499,13 @@ def _sampler(
     return model_sampler(s.name, seed, s.n_startup_trials, priors)
 
 
+def request_seed(study_seed: int | None, number: int, attempt: int) -> int:
+    """The prompts' seed of a trial's attempt: fresh per trial and attempt, and per study seed,
+    so that repeats of one job (``--seed N``) replay their baselines (trial 0) and every other
+    trial number with other requests. Seed 0 (and None) keep the numbering of earlier studies."""
+    return abs(study_seed or 0) * 10_000_000 + number * 1000 + attempt + 1
+
+
 class _GridSampler(optuna.samplers.GridSampler):
     """Optuna's grid sampler made safe to resume, for an ask/tell loop.
 
@@ -941,7 +948,7 @@ class StudyDriver:
             args,
             workdir=self.plan.out / "trials" / f"{trial.number:04d}" / f"attempt-{attempt}",
             # Fresh prompts per trial and attempt: nothing is served from an earlier cache.
-            seed=trial.number * 1000 + attempt + 1,
+            seed=request_seed(self.plan.job.sampler.seed, trial.number, attempt),
             # The baseline is the reference every gain is read against: it replays the whole
             # trace even when it misses an SLO, so the report compares full measurements.
             early_stop=False if TrialView(self._frozen(trial.number)).is_baseline else None,

@@ -703,3 +703,17 @@ def test_a_prior_off_the_spaces_step_grid_is_left_out() -> None:
     )
     assert _on_space(space, {"gpu-memory-utilization": 0.84}) is not None
     assert _on_space(space, {"gpu-memory-utilization": 0.85}) is None
+
+
+def test_repeats_of_one_job_replay_other_requests_in_every_trial(tmp_path: Path) -> None:
+    # Repeats of a table's job (--seed 1, 2, 3) are three measurements of each configuration:
+    # the baseline (trial 0 in every repeat) must not replay the same requests in each.
+    seeds = []
+    for repeat in (1, 2):
+        runner = FakeRunner()
+        _driver(
+            tmp_path / f"r{repeat}", runner, trials=2, sampler={"name": "random", "seed": repeat}
+        ).run()
+        seeds.append({s.number: s.seed for s in runner.specs})
+    assert seeds[0][0] != seeds[1][0]
+    assert seeds[0][1] != seeds[1][1]
