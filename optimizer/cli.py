@@ -242,9 +242,20 @@ def _add_shaping(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="compress (or stretch) the trace to last SECONDS",
     )
+    _add_scales(g)
+
+
+def _add_scales(g: argparse._ArgumentGroup) -> None:
+    """The shaping options that scale rates and lengths, and the clip."""
     g.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate")
     g.add_argument(
         "--length-scale", type=float, default=None, help="multiply input and output lengths"
+    )
+    g.add_argument(
+        "--output-scale",
+        type=float,
+        default=None,
+        help="multiply output lengths by this instead (prompts by --length-scale, if given)",
     )
     g.add_argument(
         "--max-model-len",
@@ -281,6 +292,7 @@ def shape_spec_from(ns: argparse.Namespace) -> Any:
         target_duration_s=ns.duration,
         rate_scale=ns.rate_scale,
         length_scale=ns.length_scale,
+        output_scale=ns.output_scale,
         max_model_len=ns.max_model_len,
         max_output_tokens=ns.max_output_tokens,
         seed=ns.seed,

@@ -181,6 +181,7 @@ class ShapingSection(_Strict):
     target_duration_s: float | None = Field(default=None, gt=0)
     rate_scale: float | None = Field(default=None, gt=0)
     length_scale: float | None = Field(default=None, gt=0)
+    output_scale: float | None = Field(default=None, gt=0)  # outputs' own, not length_scale's
     max_model_len: int | None = Field(default=None, gt=1)
     max_output_tokens: int | None = Field(default=None, gt=0)
     seed: int = 0

@@ -680,6 +680,8 @@ class ShapeSpec:
         target_duration_s: Compress (or stretch) to this duration instead of a factor.
         rate_scale: Request rate multiplier.
         length_scale: Multiplier applied to both input and output lengths.
+        output_scale: Multiplier of output lengths instead of ``length_scale``'s (decode-heavier
+            or lighter answers than the trace's, its prompts kept or scaled by ``length_scale``).
         max_model_len: Clip lengths so that input + output fits.
         max_output_tokens: Further cap on output lengths (applied with the clip).
         seed: Seed for subsampling and tick spreading.
@@ -694,6 +696,7 @@ class ShapeSpec:
     target_duration_s: float | None = None
     rate_scale: float | None = None
     length_scale: float | None = None
+    output_scale: float | None = None
     max_model_len: int | None = None
     max_output_tokens: int | None = None
     seed: int = 0
@@ -742,9 +745,10 @@ def shape(trace: Trace, spec: ShapeSpec) -> tuple[Trace, list[ShapeReport]]:
     if spec.rate_scale is not None:
         rate_scale = spec.rate_scale
         steps.append(lambda t: scale_rate(t, rate_scale))
-    if spec.length_scale is not None:
-        length_scale = spec.length_scale
-        steps.append(lambda t: scale_lengths(t, length_scale, length_scale))
+    if spec.length_scale is not None or spec.output_scale is not None:
+        inputs = 1.0 if spec.length_scale is None else spec.length_scale
+        outputs = inputs if spec.output_scale is None else spec.output_scale
+        steps.append(lambda t: scale_lengths(t, inputs, outputs))
     if spec.max_model_len is not None:
         max_model_len = spec.max_model_len
         steps.append(

@@ -324,3 +324,15 @@ def test_cli_flags_and_config_section_reach_the_shape_spec() -> None:
     assert ShapeSpec(**section.model_dump()) == ShapeSpec(spread_ticks=True, tick_s=3.0)
     with pytest.raises(ValueError):
         ShapingSection(tick_s=0.0)
+
+
+def test_output_scale_gives_answers_their_own_multiplier(mooncake: Trace) -> None:
+    # A job's shaping: prompts x0.25 (length_scale), answers x0.5 (output_scale); output_scale
+    # alone keeps the prompts.
+    both, _ = shape(mooncake, ShapeSpec(length_scale=0.25, output_scale=0.5))
+    alone, _ = shape(mooncake, ShapeSpec(output_scale=2.0))
+    for old, new, kept in zip(mooncake.requests, both.requests, alone.requests, strict=True):
+        assert new.input_tokens == max(1, round(old.input_tokens * 0.25))
+        assert new.output_tokens == max(1, round(old.output_tokens * 0.5))
+        assert kept.input_tokens == old.input_tokens
+        assert kept.output_tokens == round(old.output_tokens * 2.0)
