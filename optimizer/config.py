@@ -329,9 +329,12 @@ class SamplerSection(_Strict):
     grid to measure every configuration of a space whose params are all enumerable (a
     categorical param's choices, a numeric param's steps) once, in an order the seed shuffles."""
 
-    name: Literal["tpe", "gp", "random", "grid"] = "tpe"
+    name: Literal["tpe", "gp", "random", "grid", "guided"] = "tpe"
     seed: int | None = 0
     n_startup_trials: int = Field(default=4, ge=0)
+    # TPE's and GP's first n_startup_trials: random draws, or the tuning guide's moves from the
+    # baseline (optimizer.guided). "guided" as the name: the guide until it is done, then TPE.
+    startup: Literal["random", "guided"] = "random"
 
 
 class WarmStartSection(_Strict):

@@ -28,7 +28,8 @@ configurations the same way. Every proposal's origin is counted in
 ``startup`` (the sampler's own random start), ``model`` (its proposal, free as proposed),
 ``acquisition`` (its best free configuration in place of a held one), ``random`` (a free random
 draw in place of a held one), ``enqueued`` (a configuration fixed before the trial: the
-baseline, a warm start's). A conditional space (``when``) is not covered: a proposal there is
+baseline, a warm start's), ``guided`` (the tuning guide's move, :mod:`optimizer.guided`). A
+conditional space (``when``) is not covered: a proposal there is
 compared on the params every trial sets, which few trials hold.
 
 Everything else (storage writes, directions, the study's id) goes to the real study.
@@ -59,13 +60,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 __all__ = ["MODEL_SAMPLERS", "ORIGINS", "ORIGIN_ATTR", "KnowledgeSampler", "model_sampler"]
 
-MODEL_SAMPLERS = ("tpe", "gp")
-"""Samplers that learn from trials (and so from a warm start's priors)."""
+MODEL_SAMPLERS = ("tpe", "gp", "guided")
+"""Samplers that learn from trials (and so from a warm start's priors; ``guided`` hands over to
+TPE)."""
 
 ORIGIN_ATTR = "vllm_autotune:origin"
 """The trial system attr that says where its configuration came from (one of :data:`ORIGINS`)."""
 
-ORIGINS = ("startup", "model", "acquisition", "random", "enqueued")
+ORIGINS = ("startup", "model", "acquisition", "random", "enqueued", "guided")
 """Where a proposal came from (see the module docstring)."""
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import optuna
 import psutil
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from objectives import ObjectiveSet, load_objectives
@@ -57,6 +58,7 @@ from optimizer.engine.defaults import (
 )
 from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
 from optimizer.errors import ConfigError
+from optimizer.guided import GuidedSampler
 from optimizer.sampling import MODEL_SAMPLERS, model_sampler
 from optimizer.study_folder import portable_url
 from optimizer.trial_io import progress_line, read_progress
@@ -496,7 +498,19 @@ def _sampler(
         return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "grid":
         return _GridSampler(space.grid(), seed=s.seed)
-    return model_sampler(s.name, seed, s.n_startup_trials, priors)
+    model = model_sampler("tpe" if s.name == "guided" else s.name, seed, s.n_startup_trials, priors)
+    if s.name == "guided" or s.startup == "guided":
+        cap = None if s.name == "guided" else s.n_startup_trials
+        return GuidedSampler(space_distributions(space), model, max_guided=cap)
+    return model
+
+
+def space_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
+    """The distributions a trial of ``space`` suggests (its params active by default)."""
+    probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = probe.ask()
+    space.suggest(trial)
+    return dict(trial.distributions)
 
 
 def request_seed(study_seed: int | None, number: int, attempt: int) -> int:

@@ -717,3 +717,33 @@ def test_repeats_of_one_job_replay_other_requests_in_every_trial(tmp_path: Path)
         seeds.append({s.number: s.seed for s in runner.specs})
     assert seeds[0][0] != seeds[1][0]
     assert seeds[0][1] != seeds[1][1]
+
+
+@pytest.mark.parametrize("sampler", [{"name": "guided"}, {"name": "tpe", "startup": "guided"}])
+def test_a_guided_study_moves_one_parameter_at_a_time_from_the_baseline(
+    tmp_path: Path, sampler: dict[str, Any]
+) -> None:
+    from optimizer.guided import MOVE_ATTR
+    from optimizer.sampling import ORIGIN_ATTR
+
+    space = {
+        "name": "t",
+        "params": {
+            "max-num-seqs": {"type": "categorical", "choices": [16, 64, 256]},
+            "max-num-batched-tokens": {"type": "categorical", "choices": [512, 2048, 8192]},
+        },
+    }
+    runner = FakeRunner()
+    study = _driver(
+        tmp_path, runner, trials=5, search_space=space, sampler={**sampler, "seed": 0}
+    ).run()
+    trials = study.get_trials()
+    guided = [t for t in trials if t.system_attrs.get(ORIGIN_ATTR) == "guided"]
+    assert len(guided) >= 3
+    for t in guided:
+        parent = trials[t.system_attrs[MOVE_ATTR]["from"]]
+        base = {"max-num-seqs": 64, "max-num-batched-tokens": 2048}  # nearest the defaults
+        before = parent.params or base
+        assert sum(before[k] != t.params[k] for k in base) == 1
+    measured = [json.dumps(t.params, sort_keys=True) for t in trials[1:]]
+    assert len(measured) == len(set(measured))
