@@ -3,10 +3,12 @@
 Every trial of the given study folders (a grid study and its repeats, made with
 ``benchmarks/data/cpu-capacity-grid.yaml``) becomes one measurement of its configuration: the
 steps of its capacity search (scale, verdict, stopped early, deciding margin, replay seconds),
-its server's start, its wall time, and its capacity estimated from the steps with the
+its server's start, its wall time, its capacity estimated from the steps with the
 project's own :func:`optimizer.capacity.search.estimate_capacity` (so folders written before
-the estimate existed read the same as later ones). Measurements of one configuration across
-folders are its repeats: their spread is the table's noise.
+the estimate existed read the same as later ones), the SLO that broke first above it
+(``broke_first``) and the symptom the tuning guide reads there
+(:func:`optimizer.guided.symptom_of`: ``symptom``, None where nothing broke). Measurements of
+one configuration across folders are its repeats: their spread is the table's noise.
 
 Usage:
     python -m benchmarks.capacity_table runs/capacity-grid/r1 runs/capacity-grid/r2 \
@@ -23,11 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.capacity.search import StepOutcome, estimate_capacity
 from optimizer.cli_support import load_study_dir
 from optimizer.engine.stack import recorded_stack
+from optimizer.guided import symptom_of
 from optimizer.trial_view import TrialView
 
 # Engine arguments every trial of a study shares (the job's), left out of a configuration's key.
@@ -56,7 +59,7 @@ def _steps(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def measurement(trial: Any, noise: float) -> dict[str, Any] | None:
+def measurement(trial: FrozenTrial, noise: float) -> dict[str, Any] | None:
     """One trial as a measurement of its configuration (None: nothing was measured)."""
     view = TrialView(trial)
     doc = trial.user_attrs.get("capacity")
@@ -76,7 +79,9 @@ def measurement(trial: Any, noise: float) -> dict[str, Any] | None:
     est = estimate_capacity(outcomes, lo, hi, noise)
     first = next((s for s in doc.get("steps") or [] if s.get("offered_rps")), None)
     per_scale = float(first["offered_rps"]) / float(first["scale"]) if first else math.nan
-    wall = (trial.datetime_complete - trial.datetime_start).total_seconds()
+    done, began = trial.datetime_complete, trial.datetime_start
+    assert done is not None and began is not None  # a complete trial has both
+    wall = (done - began).total_seconds()
     return {
         "trial": trial.number,
         "baseline": view.is_baseline,
@@ -90,6 +95,8 @@ def measurement(trial: Any, noise: float) -> dict[str, Any] | None:
         "wall_s": wall,
         "attempts": int(trial.user_attrs.get("attempts") or 1),
         "steps": steps,
+        "broke_first": doc.get("broke_first"),
+        "symptom": symptom_of(trial),
     }
 
 

@@ -1,19 +1,68 @@
 """The ground-truth table refuses repeats from different machines (issue 34: sessions run on a
 Xeon and on an AVX2-only AMD EPYC, and the rebuild job sized on the first failed its SLOs at the
-lowest scale on the second)."""
+lowest scale on the second), and records every measurement's symptom (what the tuning guide
+reads: optimizer.guided.symptom_of)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import optuna
 import pytest
 
-from benchmarks.capacity_table import build, machine_mismatch
+from benchmarks.capacity_table import build, machine_mismatch, measurement
+from optimizer.guided import SYMPTOMS
 
 REPO = Path(__file__).resolve().parents[3]
 GRID = REPO / "benchmarks/data/capacity-grid"
+
+
+def _fake_trial(broke_first: str | None, **metrics: float) -> optuna.trial.FrozenTrial:
+    """A FAKE measured capacity trial (made up here, no server): two steps, x1 passed and x2
+    failed on ``broke_first``."""
+    steps = [
+        {"scale": 1.0, "passed": True, "margins": {"p95_ttft_ms<=2000": -0.5}, "replay_s": 9.0},
+        {"scale": 2.0, "passed": False, "margins": {"p95_ttft_ms<=2000": 0.2}, "replay_s": 7.0},
+    ]
+    steps[0]["offered_rps"] = 5.0
+    capacity: dict[str, Any] = {"lo": 1.0, "hi": 2.0, "broke_first": broke_first, "steps": steps}
+    start = datetime(2026, 12, 5, 10, 0, 0)
+    trial = optuna.trial.create_trial(
+        value=5.0,
+        user_attrs={
+            "status": "complete",
+            "capacity": capacity,
+            "summary": {"completed": 100},
+            "server_metrics": metrics,
+            "engine_args": json.dumps({"max-num-seqs": 4}),
+        },
+    )
+    trial.datetime_start, trial.datetime_complete = start, start + timedelta(seconds=60)
+    return trial
+
+
+def test_a_measurement_records_what_broke_first_and_the_guides_symptom() -> None:
+    tpot = measurement(_fake_trial("p95_tpot_ms<=150"), 0.05)
+    assert tpot is not None and tpot["broke_first"] == "p95_tpot_ms<=150"
+    assert tpot["symptom"] == "tpot_prefill_interference"
+    queue = measurement(_fake_trial("p95_ttft_ms<=2000"), 0.05)
+    assert queue is not None and queue["symptom"] == "ttft_queue"
+    full = measurement(_fake_trial("p95_ttft_ms<=2000", **{"vllm:num_preemptions_total": 4}), 0.05)
+    assert full is not None and full["symptom"] == "ttft_kv_full"
+    none = measurement(_fake_trial(None), 0.05)
+    assert none is not None and (none["broke_first"], none["symptom"]) == (None, None)
+
+
+def test_the_rebuilt_table_records_every_measurements_symptom() -> None:
+    doc = json.loads((REPO / "benchmarks/data/capacity_table_cpu_v2.json").read_text())
+    ms = [m for c in doc["configs"].values() for m in c["measurements"]]
+    assert len(ms) == 51 and all(m["symptom"] in SYMPTOMS for m in ms)
+    for m in ms:  # TPOT broke first: prefill interference; TTFT: the KV cache or the queue
+        assert ("tpot" in m["broke_first"]) == (m["symptom"] == "tpot_prefill_interference")
 
 
 def test_a_mismatch_names_the_folder_the_key_and_both_values() -> None:
