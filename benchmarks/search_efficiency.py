@@ -8,7 +8,10 @@ offline study; ``--step-seconds scale``: the 1 / scale model of the runs before 
 output says how many steps' seconds came from where.
 
 The first trial of every strategy is vLLM's defaults (the table's baseline), as in a real
-study; it is the first incumbent for racing. What a strategy "has found" (returns) after t hours
+study; it is the first incumbent for racing, and the Optuna study holds it as the driver does (a
+param-less trial with its engine arguments: model samplers leave it out, the guide starts from
+it). Every told trial carries its drawn measurement's symptom (``symptom``), which the guide
+reads. What a strategy "has found" (returns) after t hours
 is the configuration with its best told capacity; its quality is that configuration's mean over
 the table's repeats (the truth), as a share of the table's best mean.
 
@@ -165,6 +168,7 @@ def run_sampler(
     sampler = _sampler(name, table, seed, warm)
     origins: Counter[str] | None = getattr(sampler, "origins", None)  # KnowledgeSampler's
     study = optuna.create_study(direction="maximize", sampler=sampler)
+    study.add_trial(study_.baseline_trial())  # measured first, as the driver's baseline
     enqueued = list(warm.top) if name == WARM and warm else []
     for key in enqueued:
         study.enqueue_trial(json.loads(key))
@@ -187,6 +191,7 @@ def run_sampler(
         repeats = 0
         study_.run.origins[origin] += 1
         told, _raced = study_.measure(key)
+        trial.set_user_attr("symptom", study_.symptoms[key])  # what the guide reads
         if told is None:
             trial.report(study_.upper_rps, 0)  # as the real driver tells a raced-out trial
             study.tell(trial, state=TrialState.PRUNED)

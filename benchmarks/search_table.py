@@ -13,7 +13,11 @@ incumbent's scale, mostly) is interpolated between the measurement's recorded st
 (:class:`TableServer`; ``step_seconds="scale"``: the 1 / scale model of the runs before issue
 34). A trial is charged its recorded server start, the recorded per-step overhead (drain,
 prefix-cache reset, warm-up, stop) and its steps: racing and early stops save what they save on
-the real machine.
+the real machine. Each measurement carries the symptom the tuning guide read at it
+(``capacity_table.py``'s ``symptom``): a told trial's symptom is its drawn measurement's
+(:attr:`OfflineStudy.symptoms`), and :meth:`OfflineStudy.baseline_trial` is the measured
+baseline as the Optuna study holds it (a param-less trial with its engine arguments), which
+:class:`optimizer.guided.GuidedSampler` starts from.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import optuna
+from optuna.trial import FrozenTrial
 
 from optimizer.capacity.search import StepOutcome, search_capacity
 from optimizer.types import CapacitySettings
@@ -46,6 +52,7 @@ class Measurement:
     rps_per_scale: float
     startup_s: float
     steps: tuple[Mapping[str, Any], ...]
+    symptom: str | None = None  # what the guide read there (optimizer.guided.SYMPTOMS)
 
     def cost_s(self, step_overhead_s: float) -> float:
         """What this measurement cost with today's search (as recorded)."""
@@ -64,6 +71,7 @@ class Table:
     step_overhead_s: float
     step_seconds: str = "recorded"  # or "scale": the 1 / scale model of earlier runs
     merged: tuple[str, ...] = ()  # grid params whose labels were pooled (--merge)
+    baseline_args: dict[str, Any] = field(default_factory=dict)  # its engine arguments
 
     @property
     def best(self) -> float:
@@ -101,6 +109,7 @@ def load_table(
     raw: dict[str, list[Mapping[str, Any]]] = {}
     grid: dict[str, set[Any]] = {}
     baseline = ""
+    baseline_args: dict[str, Any] = {}
     overheads: list[float] = []
     for entry in doc["configs"].values():
         ms = entry["measurements"]
@@ -111,6 +120,7 @@ def load_table(
                 grid.setdefault(k, set()).add(json.dumps(v))
         key = "baseline" if is_base else json.dumps(dict(sorted(params.items())), sort_keys=True)
         baseline = "baseline" if is_base else baseline
+        baseline_args = dict(entry.get("args") or {}) if is_base else baseline_args
         configs.setdefault(key, []).extend(_measurement(m) for m in ms)
         raw.setdefault(key, []).extend(ms)
         for m in ms:
@@ -127,6 +137,7 @@ def load_table(
         step_overhead_s=statistics.median(overheads) if overheads else 0.0,
         step_seconds=step_seconds,
         merged=tuple(merge),
+        baseline_args=baseline_args,
     )
     missing = math.prod(len(v) for v in table.grid.values()) - (len(configs) - bool(baseline))
     if not baseline or (missing and not partial):
@@ -148,6 +159,7 @@ def _measurement(m: Mapping[str, Any]) -> Measurement:
         rps_per_scale=float(m["rps_per_scale"]),
         startup_s=float(m["startup_s"]),
         steps=tuple(m["steps"]),
+        symptom=m.get("symptom"),
     )
 
 
@@ -305,6 +317,7 @@ class OfflineStudy:
         self.found = table.baseline
         self.run = Run()
         self.measured: dict[str, float | None] = {}
+        self.symptoms: dict[str, str | None] = {}  # per measured key: its drawn measurement's
         self.upper_rps = 0.0
 
     def measure(self, key: str) -> tuple[float | None, bool]:
@@ -328,8 +341,29 @@ class OfflineStudy:
             self.best_told, self.found = told, key
             self.incumbent_scale = est
         self.measured[key] = told
+        self.symptoms[key] = m.symptom
         self.run.trials += 1
         self.run.step_sources.update(server.sources)
         self.run.curve.append((self.seconds, self.table.truth[self.found]))
         self.run.curve_keys.append(self.found)
         return told, result.raced
+
+    def baseline_trial(self) -> FrozenTrial:
+        """The measured baseline as a real study holds it: a COMPLETE trial that set no param,
+        told its capacity, with its engine arguments (``engine_args``, JSON) and its drawn
+        measurement's symptom (``symptom``) as user attrs. Model samplers do not see it
+        (:class:`optimizer.sampling.KnowledgeSampler` leaves param-less trials out); the guide
+        starts from it."""
+        key = self.table.baseline
+        told = self.measured.get(key)
+        if told is None:
+            raise ValueError("the baseline has not been measured (or was raced out)")
+        return optuna.trial.create_trial(
+            value=told,
+            user_attrs={
+                "engine_args": json.dumps(self.table.baseline_args, sort_keys=True),
+                "symptom": self.symptoms.get(key),
+                "baseline": True,
+                "status": "complete",
+            },
+        )

@@ -300,7 +300,9 @@ def test_a_run_that_measured_every_configuration_asks_no_more(monkeypatch) -> No
     run = run_sampler("random", table, SETTINGS, seed=0, budget_s=math.inf)
     # The baseline and the one grid point: measured, nothing is left to ask for.
     assert run.trials == 2
-    assert [t.state.name for t in studies[0].trials] == ["COMPLETE"]
+    # The baseline (param-less, as the driver holds it) and the grid point.
+    assert [t.state.name for t in studies[0].trials] == ["COMPLETE", "COMPLETE"]
+    assert studies[0].trials[0].params == {} and studies[0].trials[1].params == {"x": 0}
 
 
 class FakeOriginsSampler(optuna.samplers.BaseSampler):

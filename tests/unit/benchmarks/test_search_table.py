@@ -235,3 +235,48 @@ def test_merged_labels_pool_their_repeats_into_one_point() -> None:
     # The truth is the pooled mean: x1.5 the one-label mean; the grid's time halves.
     assert merged.best == pytest.approx(labels.best * 0.75)
     assert merged.full_grid_s() == pytest.approx(labels.full_grid_s() / 2)
+
+
+def test_the_baseline_is_a_param_less_trial_with_its_arguments_and_symptom() -> None:
+    doc = synthetic_table()
+    for entry in doc["configs"].values():  # FAKE symptoms: the baseline's TPOT broke first
+        for m in entry["measurements"]:
+            m["symptom"] = "tpot_prefill_interference" if m["baseline"] else "ttft_queue"
+    table = load_table(doc)
+    assert table.baseline_args == {"max-num-seqs": 128}
+    assert {m.symptom for m in table.configs[table.baseline]} == {"tpot_prefill_interference"}
+    study = OfflineStudy(table, SETTINGS, racing=False, rng=random.Random(0))
+    with pytest.raises(ValueError, match="not been measured"):
+        study.baseline_trial()
+    told, _raced = study.measure(table.baseline)
+    trial = study.baseline_trial()
+    assert trial.state.name == "COMPLETE" and trial.params == {} and trial.value == told
+    assert json.loads(trial.user_attrs["engine_args"]) == {"max-num-seqs": 128}
+    assert trial.user_attrs["symptom"] == "tpot_prefill_interference"
+    key = next(k for k in table.configs if k != table.baseline)
+    study.measure(key)
+    assert study.symptoms == {table.baseline: "tpot_prefill_interference", key: "ttft_queue"}
+
+
+def test_a_model_sampler_proposes_the_same_with_or_without_the_baseline_trial() -> None:
+    """TPE and GP do not see the param-less baseline (KnowledgeSampler leaves it out): the
+    offline study may put it first without changing their proposals (FAKE told values)."""
+    import optuna
+
+    from optimizer.sampling import model_sampler
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    for name in ("tpe", "gp"):
+        proposals = []
+        for with_baseline in (False, True):
+            study = optuna.create_study(direction="maximize", sampler=model_sampler(name, 0, 2))
+            if with_baseline:
+                study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"b": 1}))
+            points = []
+            for _ in range(6):
+                t = study.ask()
+                p = {k: t.suggest_categorical(k, v) for k, v in GRID.items()}
+                study.tell(t, math.log2(p["max-num-seqs"]) + (p["max-num-batched-tokens"] == 256))
+                points.append(p)
+            proposals.append(points)
+        assert proposals[0] == proposals[1], name
