@@ -17,8 +17,12 @@ the table's repeats (the truth), as a share of the table's best mean.
 
 Strategies: ``tpe-racing`` (TPE with racing at the incumbent, the default), ``random-racing``
 (Optuna's random sampler through the same path, racing included: what racing gives without a
-model), ``tpe`` (without racing), ``gp``, ``random``, ``grid`` (every point once, in a random
-order), ``one-at-a-time`` (the tuning guide: memory, then max-num-seqs, then the batched-token
+model), ``tpe2-racing`` (TPE after 2 random startup trials, not 4), ``gp-racing`` (GP, racing),
+``guided`` (:class:`optimizer.guided.GuidedSampler`: the guide's one-parameter moves from the
+incumbent by its symptom while it has one, TPE otherwise; racing), ``tpe-guided`` (TPE whose 4
+startup trials are the guide's moves, a job's ``sampler.startup: guided``; racing), ``tpe``
+(without racing), ``gp``, ``random``, ``grid`` (every point once, in a random order),
+``one-at-a-time`` (the tuning guide by hand: memory, then max-num-seqs, then the batched-token
 budget, then prefix caching, each value tried with the others fixed at the best so far;
 max-model-len is not in the grid), and with ``--warm-from FOLDER`` ``tpe-warm``: ``tpe-racing``
 warm-started as a job's ``warm_start`` does it (:mod:`optimizer.warm_start`): the earlier
@@ -77,13 +81,29 @@ from benchmarks.search_table import (
 )
 from optimizer.types import CapacitySettings
 
-STRATEGIES = ("tpe-racing", "random-racing", "tpe", "gp", "random", "grid", "one-at-a-time")
-RACING = ("tpe-racing", "random-racing", "tpe-warm")  # the strategies that race the incumbent
+STRATEGIES = (
+    "tpe-racing",
+    "random-racing",
+    "tpe2-racing",
+    "gp-racing",
+    "guided",
+    "tpe-guided",
+    "tpe",
+    "gp",
+    "random",
+    "grid",
+    "one-at-a-time",
+)
 WARM = "tpe-warm"
-MODEL_STRATEGIES = ("tpe-racing", "tpe", "gp", WARM)  # proposals of a model (KnowledgeSampler)
+GUIDED = ("guided", "tpe-guided")  # optimizer.guided.GuidedSampler in front of TPE
+# The strategies that race the incumbent.
+RACING = ("tpe-racing", "random-racing", "tpe2-racing", "gp-racing", *GUIDED, WARM)
+# Proposals of a model (KnowledgeSampler) or of the guide: counted by their origin.
+MODEL_STRATEGIES = ("tpe-racing", "tpe2-racing", "gp-racing", "tpe", "gp", *GUIDED, WARM)
 # A measured trial's origin (Run.origins): the sampler's (optimizer.sampling.KnowledgeSampler's
-# origins), "own" (a strategy without a model), the baseline, a warm start's enqueued ones.
-ORIGINS = ("model", "own", "acquisition", "random", "startup", "baseline", "enqueued")
+# origins, GuidedSampler's guided), "own" (a strategy without a model), the baseline, a warm
+# start's enqueued ones.
+ORIGINS = ("model", "own", "guided", "acquisition", "random", "startup", "baseline", "enqueued")
 # The tuning guide's order; each name is a grid param when the table's grid has it.
 GUIDE_ORDER = (
     "max-model-len",
@@ -137,17 +157,47 @@ def _sampler(
     name: str, table: Table, seed: int, warm: Warm | None = None
 ) -> optuna.samplers.BaseSampler:
     # TPE and GP as a study runs them (the product's KnowledgeSampler: a warm start's priors;
-    # never a held configuration while a free one is left).
+    # never a held configuration while a free one is left); the guide as a study runs it
+    # (sampler "guided", or startup "guided": its first 4 trials the guide's).
+    from optuna.distributions import CategoricalDistribution
+
+    from optimizer.guided import GuidedSampler
     from optimizer.sampling import model_sampler
 
     if name in ("tpe-racing", "tpe", WARM):
         priors = warm.priors if name == WARM and warm else ()
         return model_sampler("tpe", seed, 4, priors)
-    if name == "gp":
+    if name == "tpe2-racing":
+        return model_sampler("tpe", seed, 2)
+    if name in ("gp", "gp-racing"):
         return model_sampler("gp", seed, 4)
+    if name in GUIDED:
+        space = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
+        cap = 4 if name == "tpe-guided" else None
+        fallback = model_sampler("tpe", seed, 4)
+        return GuidedSampler(space, fallback, max_guided=cap, symptom=_told_symptom)
     if name in ("random", "random-racing"):
         return optuna.samplers.RandomSampler(seed=seed)
     raise SystemExit(f"unknown strategy {name!r}: one of {', '.join((*STRATEGIES, WARM))}")
+
+
+def _told_symptom(trial: optuna.trial.FrozenTrial) -> str | None:
+    """The symptom the table recorded for a told trial's drawn measurement (the offline study
+    sets it on every measured trial and on the baseline)."""
+    symptom = trial.user_attrs.get("symptom")
+    return str(symptom) if symptom is not None else None
+
+
+def _origin_counts(sampler: optuna.samplers.BaseSampler) -> Counter[str] | None:
+    """The sampler's proposals so far by origin: a KnowledgeSampler's ``origins``; a
+    GuidedSampler's guided proposals (``guided``) and its fallback's; None: it counts none."""
+    from optimizer.guided import GuidedSampler
+
+    if isinstance(sampler, GuidedSampler):
+        inner = _origin_counts(sampler.fallback) or Counter()
+        return inner + Counter({"guided": sampler.guided})
+    origins: Counter[str] | None = getattr(sampler, "origins", None)
+    return Counter(origins) if origins is not None else None
 
 
 def run_sampler(
@@ -166,7 +216,6 @@ def run_sampler(
     racing = name in RACING  # random-racing: the random sampler through the same path
     study_ = _begin(table, settings, seed, racing)
     sampler = _sampler(name, table, seed, warm)
-    origins: Counter[str] | None = getattr(sampler, "origins", None)  # KnowledgeSampler's
     study = optuna.create_study(direction="maximize", sampler=sampler)
     study.add_trial(study_.baseline_trial())  # measured first, as the driver's baseline
     enqueued = list(warm.top) if name == WARM and warm else []
@@ -175,10 +224,11 @@ def run_sampler(
     repeats = asked = 0
     # measured holds the baseline, one of table.configs: all measured ends the study.
     while study_.seconds < budget_s and len(study_.measured) < len(table.configs) and repeats < 50:
-        before = Counter(origins) if origins is not None else None
+        before = _origin_counts(sampler)
         trial = study.ask()
         params = {k: trial.suggest_categorical(k, v) for k, v in table.grid.items()}
-        origin = "enqueued" if asked < len(enqueued) else _origin(name, origins, before)
+        after = _origin_counts(sampler)
+        origin = "enqueued" if asked < len(enqueued) else _origin(name, after, before)
         asked += 1
         key = table.key(params)
         if key in study_.measured or key not in table.configs:
@@ -210,8 +260,8 @@ def _begin(table: Table, settings: CapacitySettings, seed: int, racing: bool) ->
 
 
 def _origin(name: str, origins: Counter[str] | None, before: Counter[str] | None) -> str:
-    """The origin of the proposal just asked: the one key the sampler's ``origins`` counter
-    (:class:`optimizer.sampling.KnowledgeSampler`) gained; ``own`` for a strategy without a
+    """The origin of the proposal just asked: the one key the sampler's origin counts
+    (:func:`_origin_counts`) gained; ``own`` for a strategy without a
     model (its own draw); ``unattributed`` where a model's sampler counts none (or several)."""
     if name not in MODEL_STRATEGIES:
         return "own"
@@ -768,20 +818,21 @@ def print_origins(rows: list[dict[str, Any]]) -> None:
     print("trials by the origin of their proposal, mean per run (total over seeds):")
     print(
         "| strategy | trials | model's own | acquisition | random fallback | startup "
-        "| refused as held |"
+        "| the guide's | refused as held |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cells = [
             cell(r, "trials"),
             cell(r, "model", "own"),
-            *(cell(r, k) for k in ("acquisition", "random", "startup", "refused_held")),
+            *(cell(r, k) for k in ("acquisition", "random", "startup", "guided", "refused_held")),
         ]
         print(f"| {r['strategy']} | " + " | ".join(cells) + " |")
     print(
         "trials include the baseline (vLLM's defaults) and a warm start's enqueued ones; "
         "model's own: a strategy without a model (random, grid, one-at-a-time) counts its own "
-        "draws there; refused as held: proposals of a configuration already measured (no trial)"
+        "draws there; the guide's: the tuning guide's one-parameter moves (GuidedSampler); "
+        "refused as held: proposals of a configuration already measured (no trial)"
     )
     for r in rows:
         if r["unattributed_total"] or r["enqueued_total"]:

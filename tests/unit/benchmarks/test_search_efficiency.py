@@ -4,6 +4,7 @@ measured table)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -21,6 +22,7 @@ from benchmarks.search_efficiency import (
     summarize_runs,
 )
 from benchmarks.search_table import Table, load_table
+from optimizer.sampling import ORIGIN_ATTR
 from tests.unit.benchmarks.test_search_table import SETTINGS, _measured, _step, synthetic_table
 
 
@@ -372,7 +374,89 @@ def test_each_trial_is_counted_by_the_origin_of_its_proposal(monkeypatch, capsys
     out = capsys.readouterr().out
     assert (
         "| strategy | trials | model's own | acquisition | random fallback | startup "
-        "| refused as held |" in out
+        "| the guide's | refused as held |" in out
     )
-    assert "| tpe | 5.0 (10) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 1.0 (2) |" in out
-    assert "| grid | 5.0 (5) | 4.0 (4) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) |" in out
+    assert "| tpe | 5.0 (10) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 1.0 (2) | 0.0 (0) | 1.0 (2) |" in out
+    assert "| grid | 5.0 (5) | 4.0 (4) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) |" in out
+
+
+# A FAKE table for the guide (made up here): three max-num-seqs, three token budgets, prefix
+# caching; the baseline's arguments are the grid point (64, 2048, on), its recorded symptom
+# whatever the test says.
+GUIDE_GRID = {
+    "max-num-seqs": [4, 64, 256],
+    "max-num-batched-tokens": [256, 2048, 8192],
+    "enable-prefix-caching": [False, True],
+}
+START = {"max-num-seqs": 64, "max-num-batched-tokens": 2048, "enable-prefix-caching": True}
+
+
+def fake_guide_table(baseline_symptom: str) -> Table:
+    from tests.unit.benchmarks.test_search_table import _entry
+
+    configs = {}
+    for seqs, budget, prefix in itertools.product(*GUIDE_GRID.values()):
+        params = dict(zip(GUIDE_GRID, (seqs, budget, prefix), strict=True))
+        cap = 0.1 * math.log2(seqs) * (1.5 if budget == 256 else 1.0)
+        configs[json.dumps(params, sort_keys=True)] = _entry(params, cap, baseline=False)
+    configs["base"] = _entry({}, 0.3, baseline=True)
+    configs["base"]["args"] = {"max-num-seqs": 64, "max-num-batched-tokens": 2048}
+    for entry in configs.values():
+        for m in entry["measurements"]:
+            m["symptom"] = baseline_symptom if m["baseline"] else "ttft_queue"
+    return load_table({"configs": configs})
+
+
+@pytest.mark.parametrize(
+    ("symptom", "param", "value"),
+    [
+        ("tpot_prefill_interference", "max-num-batched-tokens", 256),  # a smaller budget
+        ("ttft_queue", "max-num-batched-tokens", 8192),  # a larger budget
+        ("ttft_kv_full", "max-num-seqs", 4),  # fewer sequences (no KV knob on this grid)
+    ],
+)
+def test_guideds_first_trial_moves_one_parameter_from_the_baseline_as_its_symptom_says(
+    monkeypatch, symptom: str, param: str, value: Any
+) -> None:
+    import benchmarks.search_efficiency as se
+    from optimizer.guided import MOVE_ATTR, RULES
+
+    studies: list[optuna.Study] = []
+    real = optuna.create_study
+
+    def spy(*args: Any, **kwargs: Any) -> optuna.Study:
+        studies.append(real(*args, **kwargs))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", spy)
+    table = fake_guide_table(symptom)
+    run = se.run_sampler("guided", table, SETTINGS, seed=0, budget_s=math.inf)
+    base, first = studies[0].trials[:2]
+    assert base.params == {} and base.user_attrs["symptom"] == symptom
+    assert {k for k in START if first.params[k] != START[k]} == {param}
+    assert first.params[param] == value
+    move = first.system_attrs[MOVE_ATTR]
+    assert move["symptom"] == symptom and move["from"] == base.number == 0
+    rule = next(r for r in RULES if r.symptom == symptom)
+    assert param == next(p for p, _how in rule.moves if p in GUIDE_GRID)  # the rule's first
+    assert first.user_attrs["symptom"] == "ttft_queue"  # every told trial carries its symptom
+    # The guide's proposals are counted as such (the table of origins).
+    guided = [t for t in studies[0].trials if t.system_attrs.get(ORIGIN_ATTR) == "guided"]
+    assert run.origins["guided"] == len(guided) >= 1
+    assert run.origins["baseline"] == 1 and run.trials == len(table.configs)
+
+
+def test_tpe_guided_takes_its_startup_trials_from_the_guide_and_tpe2_starts_with_two() -> None:
+    from benchmarks.search_efficiency import run_sampler
+
+    table = fake_guide_table("tpot_prefill_interference")
+    guided = run_sampler("tpe-guided", table, SETTINGS, seed=1, budget_s=math.inf)
+    # The guide's first moves, at most 4 of them, stand for TPE's 4 random startup trials.
+    assert 1 <= guided.origins["guided"] <= 4
+    assert guided.origins["startup"] == 4 - guided.origins["guided"]
+    tpe2 = run_sampler("tpe2-racing", table, SETTINGS, seed=1, budget_s=math.inf)
+    assert tpe2.origins["startup"] == 2 and tpe2.origins["guided"] == 0
+    gp = run_sampler("gp-racing", table, SETTINGS, seed=1, budget_s=math.inf)
+    assert gp.origins["startup"] >= 4
+    for run in (guided, tpe2, gp):  # racing on: a losing trial is cut short
+        assert run.trials == len(table.configs) and run.losing_trial_s
