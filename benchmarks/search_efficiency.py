@@ -41,11 +41,13 @@ losing trial; the share of the best found at 10 / 25 / 50 / 100 % of the grid's 
 seed set (``--seed-sets 0-19,20-39``: disjoint sets, each a replication, then all together) the
 share of the best at 25 / 50 / 100 %, the seeds whose returned configuration is in the table's
 top decile by true mean, the returned configuration's true mean capacity, the seeds that reached
-the best and the median time to it, losers' GPU time and the told values that were lower bounds
+the best and the median time to it, the time to 95 % of the best (median and 25-75 % band),
+losers' GPU time and the told values that were lower bounds
 (the search ended before any step failed); then the differences between strategies per seed set,
-paired by seed (:func:`differences`); and per strategy its trials by the origin of their proposal
-(the model's own, its acquisition in place of a held configuration, a random fallback, the
-sampler's startup draws: :class:`optimizer.sampling.KnowledgeSampler`'s ``origins``; a strategy
+paired by seed (:func:`differences`: fixed pairs, and every strategy minus ``random-racing``);
+and per strategy its trials by the origin of their proposal (the model's own, its acquisition in
+place of a held configuration, a random fallback, the sampler's startup draws:
+:class:`optimizer.sampling.KnowledgeSampler`'s ``origins``; the guide's moves; a strategy
 without a model, its own draws) and its proposals refused as held (:func:`print_origins`).
 
 Usage:
@@ -77,7 +79,12 @@ from benchmarks.search_table import (
     OfflineStudy,
     Run,
     Table,
+    best_at,
+    found_key_at,
     load_table,
+    quantile,
+    time_to,
+    top_decile,
 )
 from optimizer.types import CapacitySettings
 
@@ -337,21 +344,6 @@ def run_strategy(
     return run_sampler(name, table, settings, seed, budget_s, warm)
 
 
-def best_at(run: Run, seconds: float, start: float) -> float:
-    """The truth of what the run had found after ``seconds`` (``start``: before any trial)."""
-    value = start
-    for at, truth in run.curve:
-        if at > seconds:
-            break
-        value = truth
-    return value
-
-
-def time_to(run: Run, target: float) -> float:
-    """GPU-seconds until the found configuration's truth reached ``target`` (inf: never)."""
-    return next((at for at, truth in run.curve if truth >= target), math.inf)
-
-
 def summarize_runs(
     table: Table, runs: Mapping[str, list[Run]], budget_s: float
 ) -> list[dict[str, Any]]:
@@ -515,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     print_found_at(table, runs)
     replication = replication_rows(table, runs, seed_sets)
     print_replication(table, replication)
-    diffs = differences(replication)
+    diffs = differences(replication, pairs_for(list(runs)))
     print_differences(diffs)
     origins = origin_rows(runs)
     print_origins(origins)
@@ -578,27 +570,6 @@ def print_found_at(table: Table, runs: Mapping[str, list[Run]]) -> None:
     print("found, % of the table's best, at 10 / 25 / 50 / 100 % of the grid's GPU time:")
     for name, cells in found_at(table, runs).items():
         print(f"{name:>14} " + " ".join(f"{100 * m:5.0f} ±{100 * h:3.0f}" for m, h in cells))
-
-
-def top_decile(table: Table, share: float = 0.1) -> set[str]:
-    """The grid points in the table's top ``share`` by true mean capacity: the best
-    ``ceil(share * points)`` of them, ties at the last one's value included (the baseline, not a
-    grid point, never is)."""
-    points = sorted((v for k, v in table.truth.items() if k != table.baseline), reverse=True)
-    if not points:
-        return set()
-    cut = points[max(1, math.ceil(share * len(points))) - 1]
-    return {k for k, v in table.truth.items() if k != table.baseline and v >= cut}
-
-
-def found_key_at(run: Run, seconds: float, start: str) -> str:
-    """The configuration the run returns after ``seconds`` (``start``: before any trial)."""
-    key = start
-    for (at, _truth), found in zip(run.curve, run.curve_keys, strict=True):
-        if at > seconds:
-            break
-        key = found
-    return key
 
 
 def parse_seed_sets(text: str) -> dict[str, list[int]]:
@@ -668,6 +639,12 @@ def _replication_row(
         per_seed[r.seed]["returned_rps"] = table.truth[found_key_at(r, full, table.baseline)]
     returned = [per_seed[r.seed]["returned_rps"] for r in chosen]
     row["returned_rps"], row["returned_rps_ci"] = _mean_ci(returned)
+    to_95 = [time_to(r, 0.95 * table.best) / full for r in chosen]
+    for r, t in zip(chosen, to_95, strict=True):
+        per_seed[r.seed]["to_95"] = t
+    row["reached_95"] = sum(math.isfinite(t) for t in to_95)
+    for q, key in ((0.5, "to_95"), (0.25, "to_95_q25"), (0.75, "to_95_q75")):
+        row[key] = quantile(to_95, q)
     times = [time_to(r, table.best) for r in chosen]
     row["reached_best"] = sum(math.isfinite(t) for t in times)
     row["median_to_best"] = statistics.median(times) / full
@@ -680,6 +657,10 @@ def _replication_row(
     row["step_sources"] = {k: sources[k] for k in SOURCES}
     row["per_seed"] = per_seed
     return row
+
+
+def _share_of_grid(value: float) -> str:
+    return f"{100 * value:.0f}" if math.isfinite(value) else "never"
 
 
 def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
@@ -695,10 +676,11 @@ def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
         + " / ".join(f"{p}" for p in pcts)
         + " % of the grid's time | in the top decile at "
         + " / ".join(f"{p}" for p in pcts)
-        + " % | returned config's true mean, req/s | reached the best | median time to it "
+        + " % | returned config's true mean, req/s | time to 95 % of the best, % of the grid's "
+        "time: median [25-75 %] | reached the best | median time to it "
         "| losing trial s | lower bounds told |"
     )
-    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
         n = r["n"]
         share = " / ".join(
@@ -707,9 +689,12 @@ def print_replication(table: Table, rows: list[dict[str, Any]]) -> None:
         hits = " / ".join(f"{r[f'top_decile_{p}']}" for p in pcts)
         median = r["median_to_best"]
         when = f"{100 * median:.0f} %" if math.isfinite(median) else "not in half"
+        band = "-".join(_share_of_grid(r[k]) for k in ("to_95_q25", "to_95_q75"))
+        to_95 = f"{_share_of_grid(r['to_95'])} [{band}]"
         print(
             f"| {r['strategy']} | {r['seeds']} | {r['trials']:.1f} | {share} | {hits} of {n} "
-            f"| {r['returned_rps']:.1f} ± {r['returned_rps_ci']:.1f} | {r['reached_best']} of {n} "
+            f"| {r['returned_rps']:.1f} ± {r['returned_rps_ci']:.1f} | {to_95} "
+            f"| {r['reached_best']} of {n} "
             f"| {when} | {r['losing_trial_s']:.0f} | {r['lower_bounds']} |"
         )
     print("step seconds charged (all seeds of a strategy):")
@@ -730,6 +715,17 @@ PAIRS = (
     ("random-racing", "random"),  # what racing adds to random search
     ("tpe-racing", "tpe"),  # what racing adds to TPE
 )
+
+
+REFERENCE = "random-racing"  # every strategy is also compared with it (racing without a model)
+
+
+def pairs_for(strategies: Sequence[str]) -> list[tuple[str, str]]:
+    """:data:`PAIRS`, then every other strategy minus :data:`REFERENCE` (a pair of strategies
+    that did not both run gives no row)."""
+    out = list(PAIRS)
+    out += [(s, REFERENCE) for s in strategies if s != REFERENCE and (s, REFERENCE) not in out]
+    return out
 
 
 def differences(

@@ -27,7 +27,7 @@ import math
 import random
 import statistics
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -302,6 +302,59 @@ class Run:
     seed: int = -1
     origins: Counter[str] = field(default_factory=Counter)  # measured trials by origin
     refused_held: int = 0  # proposals of a configuration already measured (nothing measured)
+
+
+# Reading a run: what it had found when, and the table's top decile.
+
+
+def best_at(run: Run, seconds: float, start: float) -> float:
+    """The truth of what the run had found after ``seconds`` (``start``: before any trial)."""
+    value = start
+    for at, truth in run.curve:
+        if at > seconds:
+            break
+        value = truth
+    return value
+
+
+def time_to(run: Run, target: float) -> float:
+    """GPU-seconds until the found configuration's truth reached ``target`` (inf: never)."""
+    return next((at for at, truth in run.curve if truth >= target), math.inf)
+
+
+def found_key_at(run: Run, seconds: float, start: str) -> str:
+    """The configuration the run returns after ``seconds`` (``start``: before any trial)."""
+    key = start
+    for (at, _truth), found in zip(run.curve, run.curve_keys, strict=True):
+        if at > seconds:
+            break
+        key = found
+    return key
+
+
+def top_decile(table: Table, share: float = 0.1) -> set[str]:
+    """The grid points in the table's top ``share`` by true mean capacity: the best
+    ``ceil(share * points)`` of them, ties at the last one's value included (the baseline, not a
+    grid point, never is)."""
+    points = sorted((v for k, v in table.truth.items() if k != table.baseline), reverse=True)
+    if not points:
+        return set()
+    cut = points[max(1, math.ceil(share * len(points))) - 1]
+    return {k for k, v in table.truth.items() if k != table.baseline and v >= cut}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile, linear between order statistics (``statistics.median`` at 0.5);
+    inf where it reaches an unreached seed's inf (never nan)."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = q * (len(ordered) - 1)
+    lo, frac = math.floor(pos), pos - math.floor(pos)
+    if frac == 0:
+        return ordered[lo]
+    a, b = ordered[lo], ordered[lo + 1]
+    return b if math.isinf(b) else a + frac * (b - a)
 
 
 class OfflineStudy:

@@ -460,3 +460,35 @@ def test_tpe_guided_takes_its_startup_trials_from_the_guide_and_tpe2_starts_with
     assert gp.origins["startup"] >= 4
     for run in (guided, tpe2, gp):  # racing on: a losing trial is cut short
         assert run.trials == len(table.configs) and run.losing_trial_s
+
+
+def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
+    from benchmarks.search_efficiency import (
+        differences,
+        pairs_for,
+        quantile,
+        replication_rows,
+    )
+    from benchmarks.search_table import Run
+
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == statistics.median([1.0, 2.0, 3.0, 4.0])
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.25) == pytest.approx(1.75)
+    assert quantile([1.0, math.inf], 0.5) == math.inf and quantile([1.0, math.inf], 0.0) == 1.0
+    table = tiny_table(6)  # truths 2 .. 7 req/s, the best 7: 95 % of it only the best
+    full = table.full_grid_s()
+    best, other = table.key({"x": 5}), table.key({"x": 0})
+    runs = [
+        Run(curve=[(0.1 * full * (s + 1), table.truth[best])], curve_keys=[best], seed=s)
+        for s in range(3)
+    ] + [Run(curve=[(1.0, table.truth[other])], curve_keys=[other], seed=3)]
+    (row,) = replication_rows(table, {"a": runs}, {"0-3": [0, 1, 2, 3]})
+    assert row["reached_95"] == 3 and row["per_seed"][3]["to_95"] == math.inf
+    assert row["to_95"] == pytest.approx(0.25)  # 0.1, 0.2, 0.3, inf: between 0.2 and 0.3
+    assert row["to_95_q25"] == pytest.approx(0.175) and row["to_95_q75"] == math.inf
+    pairs = pairs_for(["tpe-racing", "random-racing", "guided", "gp-racing"])
+    assert pairs.count(("tpe-racing", "random-racing")) == 1
+    assert ("guided", "random-racing") in pairs and ("gp-racing", "random-racing") in pairs
+    assert ("random-racing", "random-racing") not in pairs
+    rows = replication_rows(table, {"guided": runs, "random-racing": runs}, {"0-3": range(4)})
+    (d,) = differences(rows, pairs)
+    assert d["pair"] == "guided - random-racing" and d["returned_rps"] == 0.0
