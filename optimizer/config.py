@@ -327,9 +327,11 @@ class StabilitySection(_Strict):
 class SamplerSection(_Strict):
     """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison,
     grid to measure every configuration of a space whose params are all enumerable (a
-    categorical param's choices, a numeric param's steps) once, in an order the seed shuffles."""
+    categorical param's choices, a numeric param's steps) once, in an order the seed shuffles;
+    ``guided``: the tuning guide's moves from the baseline (optimizer.guided), then TPE;
+    ``auto``: grid where the trial budget covers the space, else TPE."""
 
-    name: Literal["tpe", "gp", "random", "grid", "guided"] = "tpe"
+    name: Literal["tpe", "gp", "random", "grid", "guided", "auto"] = "tpe"
     seed: int | None = 0
     n_startup_trials: int = Field(default=4, ge=0)
     # TPE's and GP's first n_startup_trials: random draws, or the tuning guide's moves from the

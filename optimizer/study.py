@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import math
 import socket
 import time
 import warnings
@@ -57,7 +58,7 @@ from optimizer.engine.defaults import (
     trial_env,
 )
 from optimizer.engine.stack import gpu_facts, hardware_line, installed_stack
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.guided import GuidedSampler
 from optimizer.sampling import MODEL_SAMPLERS, model_sampler
 from optimizer.study_folder import portable_url
@@ -494,6 +495,8 @@ def _sampler(
     """
     s = job.sampler
     seed = None if s.seed is None else s.seed + resumed_at
+    if s.name == "auto":
+        s = s.model_copy(update={"name": auto_sampler(job, space)})
     if s.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "grid":
@@ -503,6 +506,17 @@ def _sampler(
         cap = None if s.name == "guided" else s.n_startup_trials
         return GuidedSampler(space_distributions(space), model, max_guided=cap)
     return model
+
+
+def auto_sampler(job: JobConfig, space: SearchSpace) -> str:
+    """The sampler ``auto`` picks by size: ``grid`` where the trial budget covers every
+    configuration of the space (the baseline besides), else TPE (a model that proposes its best
+    free configuration; benchmarks/RESULTS.md has the measured comparison)."""
+    try:
+        points = math.prod(len(v) for v in space.grid().values())
+    except SearchSpaceError:
+        return "tpe"  # continuous, conditional or too large to list
+    return "grid" if job.trials is not None and job.trials >= points + 1 else "tpe"
 
 
 def space_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:

@@ -747,3 +747,22 @@ def test_a_guided_study_moves_one_parameter_at_a_time_from_the_baseline(
         assert sum(before[k] != t.params[k] for k in base) == 1
     measured = [json.dumps(t.params, sort_keys=True) for t in trials[1:]]
     assert len(measured) == len(set(measured))
+
+
+def test_auto_picks_the_grid_where_the_budget_covers_the_space(tmp_path: Path) -> None:
+    from optimizer.study import _GridSampler, _sampler
+
+    space = {
+        "name": "t",
+        "params": {
+            "max-num-seqs": {"type": "categorical", "choices": [16, 64]},
+            "max-num-batched-tokens": {"type": "categorical", "choices": [512, 2048]},
+        },
+    }
+    for trials, kind in ((5, _GridSampler), (4, KnowledgeSampler)):
+        job, base = load_job(
+            _job(tmp_path, trials=trials, search_space=space, sampler={"name": "auto"}),
+            base=tmp_path,
+        )
+        plan = prepare(job, base, check_flags=False)
+        assert isinstance(_sampler(plan.job, plan.space), kind), trials
