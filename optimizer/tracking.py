@@ -21,6 +21,9 @@ failure class, baseline / Pareto / SLO tags, and its records, engine log and lat
 
 The default store is local: ``sqlite:///<out>/mlflow.db`` with artifacts in
 ``<out>/mlartifacts``; ``mlflow.tracking_uri`` in the job points at a team's server instead.
+Runs are keyed by the study's name in its storage (a service study's is ``TEAM/ID``), and a
+service study's experiment is behind its team's prefix (``TEAM/NAME``: :func:`experiment_name`),
+so two teams' jobs of one name never share an experiment or a run.
 Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the fluent API
 (DESIGN.md §7.9). This is the only module that imports mlflow.
 """
@@ -79,6 +82,7 @@ __all__ = [
     "SyncSummary",
     "Tracker",
     "TrackingTarget",
+    "experiment_name",
     "local_tracking_uri",
     "log_export",
     "log_stability",
@@ -126,7 +130,8 @@ class TrackingTarget:
     """Which study goes to which MLflow experiment.
 
     Attributes:
-        study: Optuna study name.
+        study: The study's name in its Optuna storage (a service study's is ``TEAM/ID``);
+            the parent run's name and every run's ``vllm_autotune.study`` tag.
         storage_url: Optuna storage URL (the source of truth).
         out: The study folder (trial folders, plan.json, review/).
         tracking_uri: MLflow tracking URI.
@@ -193,16 +198,26 @@ def _redact(text: str) -> str:
     return re.sub(r"(://[^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
 
 
-def _target_from_plan(plan: StudyPlan) -> TrackingTarget:
+def experiment_name(plan: StudyPlan, team: str | None = None) -> str:
+    """The MLflow experiment of a study: ``mlflow.experiment``, else the job's name; in the
+    service behind its team's prefix (``TEAM/NAME``), which the job cannot choose: a team
+    name holds no ``/``, so ``beta/alpha/x`` is beta's, never alpha's."""
+    name = plan.job.mlflow.experiment or plan.job.name
+    return f"{team}/{name}" if team else name
+
+
+def _target_from_plan(plan: StudyPlan, team: str | None = None) -> TrackingTarget:
     job = plan.job
     uri = job.mlflow.tracking_uri or local_tracking_uri(plan.out)
     local = uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
     return TrackingTarget(
-        study=job.name,
+        # The study as stored (a service study is TEAM/ID there), never the job's name: a
+        # study of that name in a shared storage may be anyone's.
+        study=plan.storage_name,
         storage_url=plan.storage_url,
         out=plan.out,
         tracking_uri=uri,
-        experiment=job.mlflow.experiment or job.name,
+        experiment=experiment_name(plan, team),
         sampler=job.sampler.name,
         artifact_root=(plan.out / "mlartifacts").resolve() if local else None,
     )
@@ -1102,20 +1117,25 @@ class Tracker:
                 self._abandon.wait(delay)
 
 
-def tracker_for_plan(plan: StudyPlan, *, enabled: bool = True, **options: Any) -> Tracker | None:
+def tracker_for_plan(
+    plan: StudyPlan, *, enabled: bool = True, team: str | None = None, **options: Any
+) -> Tracker | None:
     """A :class:`Tracker` for a prepared study, or None when MLflow is off for it.
 
     Writes the review inputs (job, search space, trace statistics, MLflow target) to
     ``<out>/review`` so ``mlflow-sync`` can rebuild the same view later. Contacts nothing.
+    Runs are keyed by the study's name in its storage (:attr:`StudyPlan.storage_name`).
 
     Args:
         plan: The prepared plan.
         enabled: False turns tracking off (``--no-mlflow``).
+        team: The service's team whose study it is: its experiment is ``TEAM/NAME``
+            (:func:`experiment_name`). None: the experiment as the job names it (``tune``).
         **options: Passed to :class:`Tracker` (backoff and close timeouts).
     """
     if not enabled or not plan.job.mlflow.enabled:
         return None
-    target = _target_from_plan(plan)
+    target = _target_from_plan(plan, team)
     _write_review_inputs(plan, target)
     return Tracker(target, **options)
 

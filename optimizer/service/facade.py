@@ -357,6 +357,8 @@ class JobService:
         if self.settings.study_storage:
             doc["storage"] = self.settings.study_storage
         ml = doc.get("mlflow")
+        if ml is None and self.settings.mlflow_uri:
+            ml = doc["mlflow"] = {}  # the operator's store, whether or not the job has mlflow:
         if isinstance(ml, dict):
             if ml.get("tracking_uri"):
                 notes.append("mlflow.tracking_uri: ignored; the service's MLflow store is used")

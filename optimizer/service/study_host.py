@@ -145,7 +145,8 @@ class StudyHost:
         try:
             tracking = importlib.import_module("optimizer.tracking")
             make = getattr(tracking, "tracker_for_plan", None)
-            return make(plan) if make is not None else None
+            # keyed by the stored study (TEAM/ID), in the team's experiments (TEAM/NAME)
+            return make(plan, team=self._owner) if make is not None else None
         except Exception as exc:  # MLflow is a review aid: its failure never stops a study
             self._message = f"MLflow off: {type(exc).__name__}: {exc}"
             return None
@@ -170,7 +171,7 @@ class StudyHost:
             runner = ClusterLossGuard(
                 RayRunner(capacity=capacity, cpus_per_trial=self._cpus), lambda: self._cancel
             )
-            tracker = self._tracker(plan)
+            tracker: Any = None  # made once the study is known to be this job's
 
             def on_event(ev: Any) -> None:
                 self._on_event(ev)
@@ -185,6 +186,7 @@ class StudyHost:
                 return made
 
             driver = _create_driver(make)
+            tracker = self._tracker(plan)
             if self._until is not None:
                 until = datetime.fromtimestamp(self._until)
                 driver.deadline = min(driver.deadline, until) if driver.deadline else until

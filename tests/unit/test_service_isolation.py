@@ -42,7 +42,7 @@ ADMIN = {"Authorization": "Bearer tok-admin"}
 class Teams:
     """Two teams and an admin on one service whose studies share one SQLite storage."""
 
-    def __init__(self, tmp_path: Path, validator: Any = None) -> None:
+    def __init__(self, tmp_path: Path, validator: Any = None, **extra: Any) -> None:
         tokens = tmp_path / "tokens"
         tokens.write_text(
             f"alpha sha256:{hash_token('tok-alpha')}\n"
@@ -57,6 +57,7 @@ class Teams:
                 "trace_roots": [str(TRACE.parent)],
                 "allow_hub_models": True,
                 "study_storage": self.shared,  # as deploy/kuberay-rayservice.yaml sets it
+                **extra,  # more of the operator's settings
             }
         )
         store = JobStore(settings.database_url)
@@ -94,10 +95,16 @@ def _shared_names(teams: Teams) -> set[str]:
 
 
 def _drive(
-    monkeypatch: pytest.MonkeyPatch, teams: Teams, job_id: str, timeout_s: float = 120
+    monkeypatch: pytest.MonkeyPatch,
+    teams: Teams,
+    job_id: str,
+    timeout_s: float = 120,
+    *,
+    mlflow: bool = False,
 ) -> dict[str, Any]:
     """Run job ``job_id``'s driver as its Ray actor would (the real StudyHost and StudyDriver)
-    with a FAKE trial runner in place of Ray's, vLLM's flags not checked; its last status."""
+    with a FAKE trial runner in place of Ray's, vLLM's flags not checked; its last status.
+    ``mlflow``: the driver logs to MLflow where the job says so (its real tracker)."""
     from optimizer import runners, study
     from optimizer.service.study_host import StudyHost
     from tests.unit.test_study_loop import FakeRunner
@@ -109,7 +116,7 @@ def _drive(
         rec.id,
         rec.job,
         rec.base,
-        mlflow=False,
+        mlflow=mlflow,
         study_name=rec.study_name,
         owner=rec.owner,
     )
@@ -117,7 +124,7 @@ def _drive(
     return host.status()
 
 
-def _tiny(teams: Teams, headers: dict[str, str], name: str = "same-name") -> str:
+def _tiny(teams: Teams, headers: dict[str, str], name: str = "same-name", **over: Any) -> str:
     """A two-trial job on a tiny made model (made under the service's folder), so a real
     driver can run it with a fake runner."""
     return teams.submit(
@@ -130,6 +137,7 @@ def _tiny(teams: Teams, headers: dict[str, str], name: str = "same-name") -> str
             "shaping": {"window_s": [0, 40], "max_model_len": 2048, "max_output_tokens": 32},
         },
         sampler={"name": "random", "seed": 1},
+        **over,
     )
 
 

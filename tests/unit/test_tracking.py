@@ -4,6 +4,7 @@ mlflow-sync, and an unreachable tracking server that never holds the study up.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -324,6 +325,28 @@ def test_disabled_tracking_gives_no_tracker(tmp_path: Path) -> None:
     assert tracking.tracker_for_plan(plan) is None
     job, base = load_job(_job(tmp_path), base=tmp_path)
     assert tracking.tracker_for_plan(prepare(job, base, check_flags=False), enabled=False) is None
+
+
+def test_runs_are_keyed_by_the_stored_study_and_a_teams_experiment_by_its_prefix(
+    tmp_path: Path,
+) -> None:
+    """Issue 42: the study is the one the storage holds (a service study's ``TEAM/ID``, not
+    the job's name); a team's experiment is behind its prefix whatever the job names, and
+    review/mlflow.json (what mlflow-sync reads) records both."""
+    job, base = load_job(_job(tmp_path, mlflow={"experiment": "alpha/theirs"}), base=tmp_path)
+    plan = dataclasses.replace(prepare(job, base, check_flags=False), study_name="beta/0123ab")
+    assert tracking.experiment_name(plan) == "alpha/theirs"  # `tune`: as the job says
+    tracker = tracking.tracker_for_plan(plan, team="beta", close_timeout_s=5)
+    assert tracker is not None
+    assert (tracker.target.study, tracker.target.experiment) == ("beta/0123ab", "beta/alpha/theirs")
+    tracker.close(0)
+    meta = json.loads((tmp_path / "out" / "review" / "mlflow.json").read_text())
+    assert (meta["study"], meta["experiment"]) == ("beta/0123ab", "beta/alpha/theirs")
+    job, base = load_job(_job(tmp_path), base=tmp_path)
+    target = tracking.tracker_for_plan(prepare(job, base, check_flags=False), close_timeout_s=5)
+    assert target is not None and target.target.study == "fake-mlflow"  # `tune`: the job's name
+    assert target.target.experiment == "fake-mlflow"
+    target.close(0)
 
 
 def test_ui_command_points_at_the_local_store(tmp_path: Path) -> None:
