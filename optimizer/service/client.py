@@ -378,8 +378,8 @@ def _add_serve(sub: Any) -> None:
         "--model-root",
         action="append",
         default=[],
-        help="folder local models may come from (repeatable; DATA_DIR/models always); a "
-        "relative model.path is looked for under each",
+        help="folder local models may come from (repeatable; a team's made models too, in "
+        "DATA_DIR/models/TEAM); a relative model.path is looked for under each",
     )
     p.add_argument(
         "--allow-hub-models",

@@ -157,11 +157,8 @@ class JobService:
         self.clock = clock
         self.data_dir = Path(settings.data_dir).resolve()
         self.roots = [Path(r).expanduser().resolve() for r in settings.trace_roots]
-        self.models_dir = self.data_dir / "models"
-        self.model_roots = [
-            *(Path(r).expanduser().resolve() for r in settings.model_roots),
-            self.models_dir,
-        ]
+        self.models_dir = self.data_dir / "models"  # made models: models_dir/TEAM, its own
+        self.model_roots = [Path(r).expanduser().resolve() for r in settings.model_roots]
         self._storages: dict[str, optuna.storages.BaseStorage] = {}
         self._storage_lock = threading.Lock()
         self.validations = ValidationQueue(
@@ -217,10 +214,10 @@ class JobService:
         security.check_text(sub.job)
         doc = json.loads(json.dumps(sub.job, default=str))
         notes = self._store_upload(doc, sub, upload, upload_dir)
-        notes += self._service_owned_keys(doc, job_id)
+        notes += self._service_owned_keys(doc, job_id, team)
         job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
         # the model path as given: load_job resolves a relative one that exists beside its base
-        job = self._check_files(job, upload_dir, str(doc["model"]["path"]))
+        job = self._check_files(job, upload_dir, str(doc["model"]["path"]), team)
         self._check_space(job)
         self._check_trace_size(job, upload_dir)
         self._prepare(job, base)
@@ -279,7 +276,7 @@ class JobService:
         trace["path"] = str(path)
         return [f"trace: the uploaded file ({size} bytes)"]
 
-    def _service_owned_keys(self, doc: dict[str, Any], job_id: str) -> list[str]:
+    def _service_owned_keys(self, doc: dict[str, Any], job_id: str, team: str) -> list[str]:
         """What the service decides, not the submitter: the output folder, the cluster,
         operator URLs, the vLLM install; engine flags and environment under the policy."""
         notes: list[str] = []
@@ -320,15 +317,15 @@ class JobService:
         model = doc.get("model")
         path = model.get("path") if isinstance(model, dict) and model.get("make") else None
         if isinstance(model, dict) and isinstance(path, str) and not path.startswith(("/", "~")):
-            model["path"] = str(self.models_dir / path)  # a relative target: ours
+            model["path"] = str(self.models_dir / team / path)  # a relative target: the team's
         return notes
 
-    def _check_files(self, job: JobConfig, upload_dir: Path, model: str) -> JobConfig:
+    def _check_files(self, job: JobConfig, upload_dir: Path, model: str, team: str) -> JobConfig:
         """The model (``model``: its path as submitted), the trace and a search-space file only
         where the operator allows (each path resolved and checked before anything is read: an
         answer never says whether a file outside the roots exists); returns the job with its
         model placed."""
-        job = self._place_model(job, model)
+        job = self._place_model(job, model, team)
         trace_path = Path(job.trace.path)
         if not self._under_roots(trace_path, [upload_dir]):
             raise SubmissionRefused(
@@ -367,29 +364,30 @@ class JobService:
                 ml["tracking_uri"] = self.settings.mlflow_uri
         return notes
 
-    def _place_model(self, job: JobConfig, given: str) -> JobConfig:
-        """The job with its model where the operator allows: made only under DATA_DIR/models;
-        read under the model roots (a relative path, as ``given``, is looked for under each
-        root, never beside the service's working directory or the job's base folder); else a
-        hub name, where the operator allows them (``--allow-hub-models``).
+    def _place_model(self, job: JobConfig, given: str, team: str) -> JobConfig:
+        """The job with its model where the operator allows: made only under DATA_DIR/models/
+        TEAM (read again only by that team, by its path); read under the model roots (a
+        relative path, as ``given``, is looked for under each root, never beside the service's
+        working directory or the job's base folder); else a hub name, where the operator allows
+        them (``--allow-hub-models``).
 
         Raises:
             SubmissionRefused: (403) A model outside the roots, or a hub name the operator
                 does not allow. The answer is the same whether or not such a path exists.
             ConfigError: With hub names allowed, a name that is not a hub repository id.
         """
-        path = job.model.path
+        path, made = job.model.path, self.models_dir / team  # made: only this team's
         if job.model.make:
-            if not security.under(path, [self.models_dir]):
+            if not security.under(path, [made]):
                 raise SubmissionRefused(
                     f"model.path: with `make` the service creates models only in its own "
-                    f"folder; give a relative path (it lands in {self.models_dir})",
+                    f"folder; give a relative path (it lands in {made})",
                     status=403,
                 )
             return job
         roots = ", ".join(str(r) for r in self.model_roots)
         if Path(given).expanduser().is_absolute():
-            if not security.under(path, self.model_roots):
+            if not security.under(path, [*self.model_roots, made]):
                 raise SubmissionRefused(
                     f"model.path: outside the service's model roots ({roots}): ask the "
                     "operator to add a --model-root"
