@@ -142,12 +142,15 @@ class SubmissionRefused(AutotuneError):
 
     Attributes:
         status: The HTTP status that says why (403: a file outside the allowed roots, 413: an
-            upload over the size limit, 409: the request conflicts with the job's state).
+            upload over the size limit, 409: the request conflicts with the job's state, 429:
+            too many of the caller's requests at once).
+        retry_after_s: Seconds after which the same request may succeed (429; None: unsaid).
     """
 
-    def __init__(self, message: str, *, status: int) -> None:
+    def __init__(self, message: str, *, status: int, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class ObjectiveError(ConfigError, ValueError):

@@ -260,7 +260,9 @@ def guide_proposal(
     """The guide's next configuration and its move, from the study's trials (None: no rule has
     a move left that no trial holds). The incumbent is the measured trial with the best first
     value (the baseline until a tuned trial beats it)."""
-    held = {_key(c) for t in trials if (c := _config(t, space)) is not None}
+    # The baseline's nearest point of the space is where the guide starts, not a configuration
+    # the baseline measured (its own arguments are vLLM's defaults, often off the grid).
+    held = {_key(c) for t in trials if t.params and (c := _config(t, space)) is not None}
     told = [
         t
         for t in trials

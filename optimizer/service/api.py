@@ -140,7 +140,10 @@ def _map_errors(app: FastAPI) -> None:
 
     @app.exception_handler(SubmissionRefused)
     async def _refused(_r: Request, exc: SubmissionRefused) -> JSONResponse:
-        return _error(exc.status, str(exc))
+        response = _error(exc.status, str(exc))
+        if exc.retry_after_s is not None:
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(_TooLarge)
     async def _large(_r: Request, exc: _TooLarge) -> JSONResponse:

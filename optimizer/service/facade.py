@@ -52,7 +52,7 @@ from optimizer.service.store import (
     belongs_to,
     study_name_for,
 )
-from optimizer.service.submissions import Submission, safe_filename, save_upload
+from optimizer.service.submissions import CheckSlots, Submission, safe_filename, save_upload
 from optimizer.service.validations import Validation, ValidationQueue
 from optimizer.text import escape_controls
 from optimizer.trial_view import TrialView, metric_names
@@ -164,6 +164,7 @@ class JobService:
         self.validations = ValidationQueue(
             self._run_validation, workers=validation_workers, clock=clock
         )
+        self.checks = CheckSlots(settings.max_plan_checks, settings.max_plan_checks_per_team)
 
     # --- submit --------------------------------------------------------------------------------
 
@@ -189,16 +190,19 @@ class JobService:
 
         Raises:
             ConfigError: An invalid job (the message names the key and the fix).
-            SubmissionRefused: A file outside the allowed roots, or an oversize upload.
+            SubmissionRefused: A file outside the allowed roots, or an oversize upload; (429)
+                too many submissions of the team, or of all teams, being checked already
+                (:class:`~optimizer.service.submissions.CheckSlots`).
         """
         job_id = uuid.uuid4().hex[:12]
         upload_dir = self.data_dir / "uploads" / job_id
         team = owner.team if owner is not None else DEFAULT_TEAM
-        try:
-            return self._submit(job_id, upload_dir, sub, upload, team)
-        except BaseException:
-            shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
-            raise
+        with self.checks.hold(team):
+            try:
+                return self._submit(job_id, upload_dir, sub, upload, team)
+            except BaseException:
+                shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
+                raise
 
     def _submit(
         self,

@@ -45,6 +45,10 @@ class ServiceSettings:
             :data:`~optimizer.service.security.MAX_BODY_BYTES` besides.
         max_trace_rows: Most rows a job's trace may hold (uploaded or under a trace root),
             counted before it is parsed (422 above).
+        max_plan_checks: Submissions checked at once, all teams together (each reads and
+            shapes its trace: seconds and tens of MiB at the row limit); one more is refused
+            with 429 and a Retry-After.
+        max_plan_checks_per_team: Submissions of one team checked at once (429 above).
         study_storage: Optuna storage URL for jobs that set none (None: SQLite per study).
         poll_interval_s: Scheduler period.
         mlflow: Let jobs log to MLflow (each job's ``mlflow.enabled`` still decides).
@@ -63,6 +67,8 @@ class ServiceSettings:
     max_concurrent: int | None = None
     max_upload_bytes: int = 32 * 1024**2
     max_trace_rows: int = DEFAULT_MAX_TRACE_ROWS
+    max_plan_checks: int = 4
+    max_plan_checks_per_team: int = 2
     study_storage: str | None = None
     poll_interval_s: float = 2.0
     mlflow: bool = True

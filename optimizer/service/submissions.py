@@ -2,12 +2,16 @@
 from JSON, YAML or multipart bodies without trusting any of it.
 
 An uploaded trace keeps a short, safe version of its file name (:func:`safe_filename`) and is
-copied in chunks, refused past the upload limit (:func:`save_upload`)."""
+copied in chunks, refused past the upload limit (:func:`save_upload`). How many submissions
+are checked at once is bounded, per team and in all (:class:`CheckSlots`)."""
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
@@ -19,7 +23,9 @@ from optimizer.service import security
 from optimizer.text import escape_controls
 
 __all__ = [
+    "CHECK_RETRY_AFTER_S",
     "MAX_FILENAME",
+    "CheckSlots",
     "Submission",
     "TraceUpload",
     "parse_body",
@@ -139,3 +145,67 @@ def save_upload(source: bytes | IO[bytes], path: Path, limit: int) -> int:
                 )
             out.write(chunk)
     return size
+
+
+#: The Retry-After of a submission refused because too many are being checked: a plan check
+#: of a trace at the row limit takes a few seconds.
+CHECK_RETRY_AFTER_S = 5
+
+
+class CheckSlots:
+    """Submissions being checked at once: at most ``per_team`` of one team and ``total`` of
+    all teams. A submission's check (its upload copied, its trace's rows counted, its plan
+    built: the trace read and shaped) costs seconds of CPU and tens of MiB at the row limit,
+    so a team sending many at once would hold the replica's CPU and memory; one over either
+    bound is refused at once (429 with a Retry-After) rather than queued.
+
+    Args:
+        total: Checks at once, all teams together (at least 1).
+        per_team: Checks of one team at once (at least 1).
+        retry_after_s: The Retry-After of a refusal.
+    """
+
+    def __init__(self, total: int, per_team: int, retry_after_s: int = CHECK_RETRY_AFTER_S) -> None:
+        self.total = max(1, total)
+        self.per_team = max(1, per_team)
+        self.retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._teams: dict[str, int] = {}
+
+    def running(self, team: str | None = None) -> int:
+        """Checks running now: ``team``'s, or all teams' (None)."""
+        with self._lock:
+            return self._teams.get(team, 0) if team is not None else sum(self._teams.values())
+
+    @contextmanager
+    def hold(self, team: str) -> Iterator[None]:
+        """One check of ``team``, for the ``with`` block.
+
+        Raises:
+            SubmissionRefused: (429) ``team`` already has :attr:`per_team` checks running, or
+                all teams together :attr:`total`.
+        """
+        with self._lock:
+            mine, everyone = self._teams.get(team, 0), sum(self._teams.values())
+            if mine >= self.per_team or everyone >= self.total:
+                whose = (
+                    f"team {team} already has {mine} submissions"
+                    if mine >= self.per_team
+                    else f"the service already has {everyone} submissions"
+                )
+                raise SubmissionRefused(
+                    f"{whose} being checked (at most {self.per_team} of a team and "
+                    f"{self.total} in all at once): submit again in {self.retry_after_s} s",
+                    status=429,
+                    retry_after_s=self.retry_after_s,
+                )
+            self._teams[team] = mine + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._teams[team] - 1
+                if left:
+                    self._teams[team] = left
+                else:
+                    del self._teams[team]

@@ -140,3 +140,42 @@ def test_the_guide_hands_over_to_its_fallback_when_capped() -> None:
     assert origins[:2] == ["guided", "guided"]
     assert "guided" not in origins[2:] and sampler.guided == 2
     assert len({json.dumps(t.params, sort_keys=True) for t in study.get_trials()[1:]}) == 8
+
+
+def test_the_baselines_nearest_point_is_not_held() -> None:
+    # vLLM's defaults (128 sequences, a 2048 budget) are off this grid: the point nearest them
+    # was never measured, so a move may land on it (here: the budget back up from 256).
+    base = _capacity_trial(5.0, "p95_tpot_ms<=150")
+    base.number = 0
+    first = optuna.trial.create_trial(
+        params={
+            "max-num-seqs": 64,
+            "max-num-batched-tokens": 256,
+            "enable-prefix-caching": True,
+            "kv-cache-memory-bytes": 2**26,
+        },
+        distributions=dict(SPACE),
+        value=6.0,  # the incumbent: the moves start from it
+        user_attrs={"status": "complete"},
+    )
+    first.number = 1
+    trials = [base, first]
+    seen = set()
+    for _ in range(12):
+        found = guide_proposal(trials, SPACE, optuna.study.StudyDirection.MAXIMIZE)
+        if found is None:
+            break
+        config, _ = found
+        seen.add(json.dumps(config, sort_keys=True))
+        t = optuna.trial.create_trial(
+            params=config, distributions=dict(SPACE), value=1.0, user_attrs={"status": "complete"}
+        )
+        t.number = len(trials)
+        trials.append(t)
+    start = {
+        "max-num-seqs": 64,
+        "max-num-batched-tokens": 1024,
+        "enable-prefix-caching": True,
+        "kv-cache-memory-bytes": 2**26,
+    }
+    assert json.dumps(start, sort_keys=True) in seen
