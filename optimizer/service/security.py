@@ -53,7 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from optimizer.errors import ConfigError, SubmissionRefused
-from optimizer.text import escape_controls, tree_problem
+from optimizer.text import escape_controls, surrogate_problem, tree_problem
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -454,10 +454,13 @@ def parse_document(data: bytes, *, json_body: bool, exempt: Iterable[tuple[str, 
 
 
 def check_limits(doc: Any, *, exempt: Iterable[tuple[str, ...]] = ()) -> None:
-    """Bounded depth, string size, container size and node count (iterative: no recursion).
+    """Bounded depth, string size, container size and node count (iterative: no recursion);
+    and every key and string text at all: no lone surrogate (``"\ud800"`` in JSON), which no
+    answer, note or stored record could hold (:func:`optimizer.text.surrogate_problem`).
 
     Raises:
-        ConfigError: The first limit passed, with the key path where.
+        ConfigError: The first limit passed, with the key path where (its control characters
+            escaped).
     """
     exempt_paths = {tuple(p) for p in exempt}
     stack: list[tuple[Any, tuple[str, ...]]] = [(doc, ())]
@@ -465,26 +468,30 @@ def check_limits(doc: Any, *, exempt: Iterable[tuple[str, ...]] = ()) -> None:
     while stack:
         node, path = stack.pop()
         nodes += 1
-        where = ".".join(path) or "(top level)"
+        where = escape_controls(".".join(path)[:200]) or "(top level)"
         if nodes > MAX_NODES:
             raise ConfigError(f"the document has more than {MAX_NODES} values")
         if len(path) > MAX_DEPTH:
-            raise ConfigError(f"{where[:200]}: the document nests deeper than {MAX_DEPTH} levels")
+            raise ConfigError(f"{where}: the document nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, str):
             if len(node) > MAX_STRING and path not in exempt_paths:
-                raise ConfigError(f"{where[:200]}: a string longer than {MAX_STRING} characters")
+                raise ConfigError(f"{where}: a string longer than {MAX_STRING} characters")
+            if (problem := surrogate_problem(node)) is not None:
+                raise ConfigError(f"{where}: {problem}")
         elif isinstance(node, dict):
             if len(node) > MAX_CONTAINER_ITEMS:
-                raise ConfigError(f"{where[:200]}: more than {MAX_CONTAINER_ITEMS} keys")
+                raise ConfigError(f"{where}: more than {MAX_CONTAINER_ITEMS} keys")
             for key, value in node.items():
                 if not isinstance(key, str):
-                    raise ConfigError(f"{where[:200]}: every key must be a string")
+                    raise ConfigError(f"{where}: every key must be a string")
                 if len(key) > 200:
-                    raise ConfigError(f"{where[:200]}: a key longer than 200 characters")
+                    raise ConfigError(f"{where}: a key longer than 200 characters")
+                if (problem := surrogate_problem(key)) is not None:
+                    raise ConfigError(f"{where}: a key {problem}")
                 stack.append((value, (*path, key)))
         elif isinstance(node, list):
             if len(node) > MAX_CONTAINER_ITEMS:
-                raise ConfigError(f"{where[:200]}: more than {MAX_CONTAINER_ITEMS} items")
+                raise ConfigError(f"{where}: more than {MAX_CONTAINER_ITEMS} items")
             stack.extend((value, (*path, str(i))) for i, value in enumerate(node))
 
 
@@ -492,8 +499,9 @@ def check_text(job: Any) -> None:
     """Every key and string of a submitted job is plain text (:mod:`optimizer.text`): the one
     rule, applied at submission to the whole document, keys the service replaces (``out``,
     ``storage``, ``ray_address``, ``mlflow.tracking_uri``) and unknown keys included, so no
-    answer, note or error ever carries one of its control characters. Free prose
-    (``description``) is exempt, as in the job file's schema.
+    answer, note or error ever carries one of its control characters or lone surrogates. Free
+    prose (``description``) may hold control characters, as in the job file's schema, never a
+    lone surrogate.
 
     Raises:
         ConfigError: The first key or string that is not, by its key path (never quoted).
@@ -657,9 +665,22 @@ def is_secret(key: str) -> bool:
     return any(w in key.upper() for w in _SECRET_WORDS)
 
 
+def _escape_surrogates(node: Any) -> Any:
+    """``node`` with every key and string that holds a lone surrogate escaped (``\\ud800``):
+    a job stored before they were refused at submission is still shown, never a 500."""
+    if isinstance(node, str):
+        return escape_controls(node) if surrogate_problem(node) is not None else node
+    if isinstance(node, dict):
+        return {_escape_surrogates(k): _escape_surrogates(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_escape_surrogates(v) for v in node]
+    return node
+
+
 def redact_job(job: Mapping[str, Any]) -> dict[str, Any]:
-    """A job document fit for an API response: secret env values and URL passwords masked."""
-    doc = json.loads(json.dumps(job, default=str))
+    """A job document fit for an API response: secret env values and URL passwords masked,
+    lone surrogates of a job stored before they were refused escaped."""
+    doc = _escape_surrogates(json.loads(json.dumps(job, default=str)))
     engine = doc.get("engine") or {}
     env = engine.get("env") or {}
     engine["env"] = {k: ("***" if is_secret(k) else v) for k, v in env.items()}

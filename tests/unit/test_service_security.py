@@ -882,3 +882,87 @@ def test_the_home_folder_of_an_unknown_user_is_a_4xx(
 ) -> None:
     r = _post(client, job_doc("home", **over))
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])  # was a 500
+
+
+# --- 7. issue 42: lone surrogates refused --------------------------------------------------
+
+#: A lone surrogate: what JSON's "\ud800" decodes to; no UTF-8 text can hold it.
+LONE = "\ud800"
+
+
+def _raw(client: TestClient, body: Any, headers: dict[str, str] = AUTH) -> Any:
+    """POST ``body`` as JSON written as an attacker would: ``\\ud800`` escapes as they are."""
+    return client.post(
+        "/v1/studies",
+        content=json.dumps(body),
+        headers={**headers, "Content-Type": "application/json"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ({"job": job_doc("s", out=f"x{LONE}")}, "out"),
+        ({"job": job_doc("s", engine={"args": {f"max-num-seqs{LONE}": 8}})}, "engine.args"),
+        (
+            {"job": job_doc("s", mlflow={"enabled": False, "experiment": f"e{LONE}"})},
+            "mlflow.experiment",
+        ),
+        ({"job": job_doc("s", model={"path": "m", "make": f"tiny{LONE}"})}, "model.make"),
+        ({"job": job_doc("s", engine={"env": {"HF_TOKEN": f"t{LONE}"}})}, "engine.env.HF_TOKEN"),
+        ({"job": job_doc("s", description=f"free prose{LONE}")}, "description"),
+        ({"job": job_doc(f"s{LONE}")}, "name"),
+        ({"job": {**job_doc("s"), f"k{LONE}": "x" * 70_000}}, "job"),
+        ({"job": job_doc("s"), f"not_before{LONE}": 1}, "(top level)"),
+        (
+            {"job": job_doc("s"), "trace_upload": {"filename": f"t{LONE}.csv", "content_b64": ""}},
+            "trace_upload.filename",
+        ),
+    ],
+    ids=[
+        "out",
+        "args-key",
+        "mlflow-experiment",
+        "model-make",
+        "env-value",
+        "description",
+        "name",
+        "key-of-a-long-string",
+        "envelope-key",
+        "upload-name",
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_422_naming_the_key(
+    client: TestClient, service: JobService, body: Any, key: str
+) -> None:
+    """Before: a 500 (`out` after the job was stored and queued; an engine.args key; a key
+    over a long string), or a 201 whose detail then answered 500 for good."""
+    r = _raw(client, body)
+    assert r.status_code == 422, r.text[:300]
+    detail = r.json()["detail"]
+    assert "lone surrogate (U+D800)" in detail and f"{key}:" in detail, detail
+    assert service.store.records() == []
+
+
+def test_a_study_stored_with_a_lone_surrogate_is_shown_and_not_exported(
+    client: TestClient, service: JobService
+) -> None:
+    """A job stored before the rule (its mlflow.experiment and model.make a lone surrogate):
+    its detail answers, the surrogate escaped (before: 500 for good, to its team and the
+    admin), and it is not exported, naming the key."""
+    sid = _post(client, job_doc("old")).json()["id"]
+    fake_study(service, sid)
+    service.store.update(sid, progress={"storage_ready": True})
+    rec = service.get(sid)
+    job = {
+        **rec.job,
+        "mlflow": {**rec.job["mlflow"], "experiment": f"e{LONE}"},
+        "model": {"path": str(service.models_dir / "m"), "make": f"tiny{LONE}"},
+    }
+    service.store.update(sid, job=json.dumps(job))
+    r = client.get(f"/v1/studies/{sid}", headers=AUTH)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["job"]["mlflow"]["experiment"] == "e\\ud800"
+    assert client.get("/v1/studies", headers=AUTH).status_code == 200
+    r = client.post(f"/v1/studies/{sid}/export?format=vllm-config&trial=1", headers=AUTH)
+    assert r.status_code == 422 and "lone surrogate" in r.json()["detail"], r.text[:300]
