@@ -194,8 +194,20 @@ def review_url(target: TrackingTarget, experiment_id: str) -> str:
 
 
 def _redact(text: str) -> str:
-    """Hide passwords in URLs (``scheme://user:secret@host`` -> ``scheme://user:***@host``)."""
-    return re.sub(r"(://[^/:@\s]+):[^@/\s]+@", r"\1:***@", text)
+    """A URL as a team may see it: its password and secret query values (``?password=``,
+    ``?token=``, ...) masked, by the service's one rule
+    (:func:`optimizer.service.security.redact_url`)."""
+    from optimizer.service.security import redact_url
+
+    return redact_url(text) or text
+
+
+def _redact_job(job: dict[str, Any]) -> dict[str, Any]:
+    """A job as a team may see it: its URLs as :func:`_redact` shows them, secret env values
+    masked (:func:`optimizer.service.security.redact_job`)."""
+    from optimizer.service.security import redact_job
+
+    return redact_job(job)
 
 
 def experiment_name(plan: StudyPlan, team: str | None = None) -> str:
@@ -863,6 +875,8 @@ class _Syncer:
                 for key in ("storage",):
                     if isinstance(plan.get(key), str):
                         plan[key] = _redact(plan[key])
+                if isinstance(plan.get("job"), dict):  # its storage and MLflow URI too
+                    plan["job"] = _redact_job(plan["job"])
                 (root / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
             self.client.log_artifacts(self.parent.run_id, str(root))
         headline = headline_md(doc, gains, stability=stability)

@@ -34,7 +34,10 @@ refused, not exported). A local ``tune`` run is its user's own: none of this app
   on the command line applies the same policy to it as the service's own export.
 - **Redaction**: the one rule for secrets: :func:`is_secret` names the environment variables
   whose values are secrets (never shown by the API, never carried into an export);
-  :func:`redact_job` and :func:`redact_url` mask them and URL passwords in responses.
+  :func:`redact_job` and :func:`redact_url` mask them, URL passwords and secret query
+  parameters (``?password=``, ``?sslpassword=``, ``?token=``, ...) wherever a team reads
+  them: the API's study detail, and the review files and ``plan.json`` the study's MLflow
+  run holds (:mod:`optimizer.tracking`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import yaml
 
@@ -646,18 +649,50 @@ _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 # --- redaction: what a response or an export may not show -------------------------------------
 
 
+#: A query parameter of a URL whose value is a secret: its name holds one of these words
+#: (``password``, ``passwd``, ``pwd``, ``sslpassword``, ``secret``, ``token``, ``key``,
+#: ``access_key``, ``aws_secret_access_key``, ``sslkey``, ``credentials``, ``auth``, ...).
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|credential|auth|signature", re.IGNORECASE)
+#: A value that itself holds a secret setting (an ODBC connection string: ``...;PWD=x``).
+_SECRET_SETTING = re.compile(r"(?:pass|pwd|secret|token|key|credential)\w*\s*=", re.IGNORECASE)
+
+
+def _redact_query(query: str) -> str:
+    """``query`` with the value of every secret parameter replaced by ``***`` (each
+    parameter's name and every other value kept as written)."""
+    pieces = re.split(r"([&;])", query)
+    for i in range(0, len(pieces), 2):
+        name, eq, value = pieces[i].partition("=")
+        if eq and (
+            _SECRET_PARAM.search(unquote_plus(name)) or _SECRET_SETTING.search(unquote_plus(value))
+        ):
+            pieces[i] = f"{name}=***"
+    return "".join(pieces)
+
+
 def redact_url(url: str | None) -> str | None:
-    """A database/tracking URL with its password replaced by ``***``."""
-    if not url or "@" not in url:
+    """A database or tracking URL fit to show to a team: the password of its user info and
+    the value of every query parameter that is a secret (``?password=``, ``?sslpassword=``,
+    ``?token=``, ``?access_key=``, ...: :data:`_SECRET_PARAM`) replaced by ``***``; the
+    scheme, user, host, path and every other parameter kept as written. A URL that cannot be
+    parsed is ``***`` whole."""
+    if not url:
         return url
     try:
         parts = urlsplit(url)
+        password = parts.password
     except ValueError:
         return "***"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    shown = url
+    if password is not None:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        shown = shown.replace(parts.netloc, f"{user}:***@{host}", 1)
+    if parts.query:
+        head, _, tail = shown.partition("?")
+        query = tail[: len(parts.query)]
+        shown = f"{head}?{_redact_query(query)}{tail[len(parts.query) :]}"
+    return shown
 
 
 def is_secret(key: str) -> bool:
@@ -678,8 +713,9 @@ def _escape_surrogates(node: Any) -> Any:
 
 
 def redact_job(job: Mapping[str, Any]) -> dict[str, Any]:
-    """A job document fit for an API response: secret env values and URL passwords masked,
-    lone surrogates of a job stored before they were refused escaped."""
+    """A job document fit for an API response or a file a team reads: secret env values
+    masked, the operator's URLs (``storage``, ``mlflow.tracking_uri``) as :func:`redact_url`
+    shows them, lone surrogates of a job stored before they were refused escaped."""
     doc = _escape_surrogates(json.loads(json.dumps(job, default=str)))
     engine = doc.get("engine") or {}
     env = engine.get("env") or {}

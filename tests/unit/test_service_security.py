@@ -884,7 +884,139 @@ def test_the_home_folder_of_an_unknown_user_is_a_4xx(
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])  # was a 500
 
 
-# --- 7. issue 42: lone surrogates refused --------------------------------------------------
+# --- 7. issue 42: the operator's URLs redacted; lone surrogates refused -------------------------
+
+#: The operator's storage and MLflow URLs, with a secret in every place a URL can hold one.
+OPERATOR_STORAGE = (
+    "postgresql://autotune:pw-in-userinfo@db.internal:5432/optuna?sslmode=verify-full"
+    "&password=pw-in-query&sslpassword=key-passphrase&application_name=vllm-autotune"
+)
+SHOWN_STORAGE = (
+    "postgresql://autotune:***@db.internal:5432/optuna?sslmode=verify-full"
+    "&password=***&sslpassword=***&application_name=vllm-autotune"
+)
+OPERATOR_MLFLOW = "https://mlflow.internal/?workspace=perf&access_token=mlflow-token"
+SECRETS = ("pw-in-userinfo", "pw-in-query", "key-passphrase", "mlflow-token", "hf_secret")
+
+
+def _operator_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage: str, mlflow_uri: str
+) -> tuple[TestClient, JobService]:
+    """Team alpha and an admin on a service with the operator's storage and MLflow URLs."""
+    from optimizer.service.auth import hash_token
+
+    monkeypatch.delenv("VLLM_AUTOTUNE_TOKENS", raising=False)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        f"alpha sha256:{hash_token('tok-alpha')}\nops sha256:{hash_token('tok-admin')} admin\n"
+    )
+    settings = settings_from_args(
+        {
+            "data_dir": str(tmp_path / "data"),
+            "token_file": str(tokens),
+            "trace_roots": [str(TRACE.parent)],
+            "allow_hub_models": True,
+            "study_storage": storage,
+            "mlflow_uri": mlflow_uri,
+        }
+    )
+    store = JobStore(settings.database_url)
+    svc = JobService(
+        settings, store, Scheduler(store, FakeLauncher()), check_plan=lambda _j, _b: None
+    )
+    return TestClient(create_app(svc), raise_server_exceptions=False), svc
+
+
+def test_a_team_sees_the_operators_urls_redacted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The study detail shows the storage and MLflow URLs with the userinfo password and every
+    secret query value masked (before: `?password=` and the token were shown as given), to
+    the team and to the admin; the rest of each URL is kept, and the job runs with the real
+    one."""
+    client, svc = _operator_service(tmp_path, monkeypatch, OPERATOR_STORAGE, OPERATOR_MLFLOW)
+    r = _post(client, job_doc("urls", mlflow={"enabled": True}), headers=_bearer("tok-alpha"))
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    assert svc.get(sid).storage_url == OPERATOR_STORAGE  # the driver's own is unchanged
+    for who in ("tok-alpha", "tok-admin"):
+        detail = client.get(f"/v1/studies/{sid}", headers=_bearer(who))
+        assert detail.status_code == 200, detail.text
+        shown = detail.json()["job"]
+        assert shown["storage"] == SHOWN_STORAGE
+        assert shown["mlflow"]["tracking_uri"] == (
+            "https://mlflow.internal/?workspace=perf&access_token=***"
+        )
+        listed = client.get("/v1/studies", headers=_bearer(who)).text
+        for text in (r.text, detail.text, listed):
+            assert not any(s in text for s in SECRETS), text
+
+
+def _drive_with_mlflow(monkeypatch: pytest.MonkeyPatch, svc: JobService, job_id: str) -> Any:
+    """Run the job's driver as its Ray actor would (the real StudyHost, StudyDriver and
+    tracker) with a FAKE trial runner in place of Ray's; its last status."""
+    import functools
+
+    from optimizer import runners, study
+    from optimizer.service.study_host import StudyHost
+    from tests.unit.test_study_loop import FakeRunner
+
+    monkeypatch.setattr(runners, "RayRunner", lambda **_k: FakeRunner())
+    monkeypatch.setattr(study, "prepare", functools.partial(study.prepare, check_flags=False))
+    rec = svc.get(job_id)
+    host = StudyHost(
+        rec.id, rec.job, rec.base, mlflow=True, study_name=rec.study_name, owner=rec.owner
+    )
+    host._thread.join(120)
+    return host.status()
+
+
+def test_the_review_files_and_mlflow_runs_show_the_operators_urls_redacted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service study driven to its end with a storage URL whose query holds secrets: its
+    review/job.yaml, and what its MLflow parent run holds once logged (the storage tag,
+    inputs/job.yaml, plan.json: what a team downloads), show them masked (before:
+    review/job.yaml and the tag kept `?password=`; plan.json's job kept the storage and
+    HF_TOKEN as given)."""
+    from mlflow.tracking import MlflowClient
+
+    from optimizer import tracking
+
+    storage = f"sqlite:///{tmp_path / 'st.db'}?password=pw-in-query&sslpassword=key-passphrase"
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client, svc = _operator_service(tmp_path, monkeypatch, storage, mlflow_uri)
+    r = _post(  # a tiny made model, so the real driver runs it with a fake runner
+        client,
+        job_doc(
+            "urls",
+            model={"path": "tiny-urls", "make": "tiny"},
+            engine={"args": {"max-model-len": 2048}, "env": {"HF_TOKEN": "hf_secret"}},
+            trace={
+                "path": str(TRACE),
+                "shaping": {"window_s": [0, 40], "max_model_len": 2048, "max_output_tokens": 32},
+            },
+            sampler={"name": "random", "seed": 1},
+            mlflow={"enabled": True},
+        ),
+        headers=_bearer("tok-alpha"),
+    )
+    assert r.status_code == 201, r.text
+    status = _drive_with_mlflow(monkeypatch, svc, r.json()["id"])
+    assert status["state"] == "done", status
+    out = Path(svc.get(r.json()["id"]).out)
+    review = (out / "review" / "job.yaml").read_text()
+    assert "password=***" in review and not any(s in review for s in SECRETS), review
+
+    tracking.sync_study(out)  # what the driver logged, or mlflow-sync's rebuild of it
+    mlflow = MlflowClient(mlflow_uri)
+    runs = mlflow.search_runs([e.experiment_id for e in mlflow.search_experiments()])
+    parent = next(r for r in runs if r.data.tags.get("vllm_autotune.role") == "study")
+    assert parent.data.tags["storage"].endswith("?password=***&sslpassword=***")
+    for name in ("inputs/job.yaml", "plan.json"):
+        path = Path(mlflow.download_artifacts(parent.info.run_id, name, str(tmp_path)))
+        assert not any(s in path.read_text() for s in SECRETS), (name, path.read_text())
+
 
 #: A lone surrogate: what JSON's "\ud800" decodes to; no UTF-8 text can hold it.
 LONE = "\ud800"
