@@ -9,8 +9,10 @@ the replica keeps only SHA-256 digests of the tokens. Request bodies are read wi
 (413 above it; a JSON or YAML job body, and a multipart `job` part, at most
 :data:`~optimizer.service.security.MAX_BODY_BYTES`, its parse bounded); a multipart body is
 parsed as it streams in, its trace part spooled to disk in a worker thread (never the whole
-body in memory, never a long stretch of work on the event loop). A re-validated export is a
-validation queued off the request path (202, then polled:
+body in memory, never a long stretch of work on the event loop). Every body must arrive in
+time, and a team may be sending only a few at once (408, 429: :mod:`optimizer.service.bodies`),
+so slow bodies never hold the replica's request slots. A re-validated export is a validation
+queued off the request path (202, then polled:
 :mod:`optimizer.service.validations`). Errors map to statuses in one place: an invalid job is
 422 with the job file loader's message (the key's path and the fix), a file outside the
 allowed roots 403, an unknown id 404, a conflict with the study's state 409, a team's full
@@ -42,16 +44,18 @@ from optimizer.service.auth import (
     parse_token_env,
     read_token_file,
 )
+from optimizer.service.bodies import BodyGuard, BodyLimits
 from optimizer.service.facade import ExportResult, JobService, Upload
 from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import MAX_BODY_BYTES
-from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, ServiceSettings
+from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, REPLICA_SLOTS, ServiceSettings
 from optimizer.service.store import JobStore
 from optimizer.service.study_host import RayDriverLauncher
 from optimizer.service.submissions import Submission, parse_body, parse_submission
 
 __all__ = [
     "APP_NAME",
+    "body_limits",
     "build_app",
     "create_app",
     "run_service",
@@ -244,6 +248,8 @@ def create_app(service: JobService) -> FastAPI:
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
     _map_errors(app)
+    # Slow bodies: each one timed (408), a team's and all teams' in flight bounded (429).
+    app.add_middleware(BodyGuard, entries=settings.token_entries(), limits=body_limits(settings))
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, Any]:
@@ -257,6 +263,16 @@ def create_app(service: JobService) -> FastAPI:
     _add_study_routes(app, service, authed, caller)
     _add_export_route(app, service, authed, caller)
     return app
+
+
+def body_limits(settings: ServiceSettings) -> BodyLimits:
+    """The request-body bounds of ``settings`` (:mod:`optimizer.service.bodies`)."""
+    return BodyLimits(
+        timeout_s=settings.body_timeout_s,
+        min_rate=settings.body_min_rate,
+        per_team=settings.bodies_per_team,
+        in_flight=settings.bodies_in_flight,
+    )
 
 
 def _bearer_auth(entries: Sequence[TokenEntry]) -> Callable[..., Principal]:
@@ -442,6 +458,10 @@ _SETTINGS_KEYS = frozenset(
         "study_storage",
         "poll_interval_s",
         "mlflow",
+        "body_timeout_s",
+        "body_min_rate",
+        "bodies_per_team",
+        "bodies_in_flight",
     }
 )
 
@@ -451,17 +471,18 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
 
     Keys: ``database_url``, ``data_dir``, ``trace_roots`` (list), ``model_roots`` (list),
     ``allow_hub_models``, ``token_file``, ``max_concurrent``, ``max_upload_mib``,
-    ``max_trace_rows``, ``study_storage``, ``mlflow_uri``, ``poll_interval_s``, ``mlflow``.
-    Tokens come from ``token_file`` (``TEAM TOKEN [admin]`` or
-    ``TEAM sha256:DIGEST [admin]`` a line: :mod:`optimizer.service.auth`) and the
-    ``VLLM_AUTOTUNE_TOKENS`` environment variable of the process that builds the application;
-    only their digests are kept, with their team. Without
-    ``database_url`` / ``study_storage``, ``VLLM_AUTOTUNE_DATABASE`` / ``VLLM_AUTOTUNE_STORAGE``
-    are read (so a password never has to appear in a manifest).
+    ``max_trace_rows``, ``study_storage``, ``mlflow_uri``, ``poll_interval_s``, ``mlflow``,
+    and the request-body bounds ``body_timeout_s``, ``body_min_rate``, ``bodies_per_team``,
+    ``bodies_in_flight`` (:class:`~optimizer.service.settings.ServiceSettings`). Tokens come
+    from ``token_file`` (``TEAM TOKEN [admin]`` or ``TEAM sha256:DIGEST [admin]`` a line:
+    :mod:`optimizer.service.auth`) and the ``VLLM_AUTOTUNE_TOKENS`` environment variable of
+    the process that builds the application; only their digests are kept, with their team.
+    Without ``database_url`` / ``study_storage``, ``VLLM_AUTOTUNE_DATABASE`` /
+    ``VLLM_AUTOTUNE_STORAGE`` are read (so a password never has to appear in a manifest).
 
     Raises:
-        ConfigError: No token configured, an unknown key, a row limit below 1, or an
-            ``allow_hub_models`` that is not a boolean.
+        ConfigError: No token configured, an unknown key, a row limit below 1, an
+            ``allow_hub_models`` that is not a boolean, or body bounds out of range.
     """
     unknown = sorted(set(args) - _SETTINGS_KEYS)
     if unknown:
@@ -493,7 +514,36 @@ def settings_from_args(args: dict[str, Any]) -> ServiceSettings:
         study_storage=args.get("study_storage") or os.environ.get(STORAGE_ENV) or None,
         poll_interval_s=float(args.get("poll_interval_s") or 2.0),
         mlflow=bool(args.get("mlflow", True)),
+        **_body_bounds(args),
     )
+
+
+def _body_bounds(args: dict[str, Any]) -> dict[str, Any]:
+    """The request-body bounds of a Serve config's ``args`` (defaults where absent).
+
+    Raises:
+        ConfigError: A timeout not above 0, a negative rate, a team bound below 1, or bodies
+            in flight below the team bound or not below the replica's request slots.
+    """
+    defaults = ServiceSettings(database_url="", data_dir="")
+    bounds = {
+        "body_timeout_s": float(args.get("body_timeout_s") or defaults.body_timeout_s),
+        "body_min_rate": int(args.get("body_min_rate", defaults.body_min_rate)),
+        "bodies_per_team": int(args.get("bodies_per_team") or defaults.bodies_per_team),
+        "bodies_in_flight": int(args.get("bodies_in_flight") or defaults.bodies_in_flight),
+    }
+    if bounds["body_timeout_s"] <= 0 or bounds["body_min_rate"] < 0:
+        raise ConfigError(
+            f"body_timeout_s {bounds['body_timeout_s']:g} / body_min_rate "
+            f"{bounds['body_min_rate']}: give a timeout above 0 and a rate of 0 or more"
+        )
+    if not 1 <= bounds["bodies_per_team"] <= bounds["bodies_in_flight"] < REPLICA_SLOTS:
+        raise ConfigError(
+            f"bodies_per_team {bounds['bodies_per_team']} / bodies_in_flight "
+            f"{bounds['bodies_in_flight']}: give 1 <= bodies_per_team <= bodies_in_flight < "
+            f"{REPLICA_SLOTS} (the API replica's request slots: the rest serve reads)"
+        )
+    return bounds
 
 
 def _folders(value: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -12,7 +12,13 @@ from pathlib import Path
 from optimizer.errors import ConfigError
 from optimizer.service.auth import TokenEntry, hash_token
 
-__all__ = ["DEFAULT_MAX_TRACE_ROWS", "ServiceSettings", "load_tokens", "token_matches"]
+__all__ = [
+    "DEFAULT_MAX_TRACE_ROWS",
+    "REPLICA_SLOTS",
+    "ServiceSettings",
+    "load_tokens",
+    "token_matches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +26,11 @@ log = logging.getLogger(__name__)
 #: replay at the request rates one server takes, and about 50 MiB while a submission's plan
 #: is checked.
 DEFAULT_MAX_TRACE_ROWS = 200_000
+
+#: Requests the API's Serve replica takes at once (its ``max_ongoing_requests``); Serve's proxy
+#: queues the rest. Request bodies in flight are held below it (``bodies_in_flight``), so reads
+#: and ``/healthz`` always find a slot.
+REPLICA_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,14 @@ class ServiceSettings:
         mlflow: Let jobs log to MLflow (each job's ``mlflow.enabled`` still decides).
         cpus_per_trial: CPU resources each trial actor asks Ray for.
         max_driver_starts: A job whose driver died this many times is failed.
+        body_timeout_s: Seconds a request body may take to arrive, plus one second for every
+            ``body_min_rate`` bytes of it received so far (408 past it; Apache's
+            ``RequestReadTimeout body=30,MinRate=16384``).
+        body_min_rate: Bytes a second a body must keep up, on average, after its first
+            ``body_timeout_s`` seconds (0: ``body_timeout_s`` is the whole deadline).
+        bodies_per_team: Request bodies one team's tokens may be sending at once (429 above).
+        bodies_in_flight: Request bodies being received at once, of all teams (429 above);
+            below :data:`REPLICA_SLOTS`, so slow bodies never hold every request slot.
     """
 
     database_url: str
@@ -74,6 +93,10 @@ class ServiceSettings:
     mlflow: bool = True
     cpus_per_trial: float = 1.0
     max_driver_starts: int = 5
+    body_timeout_s: float = 30.0
+    body_min_rate: int = 16 * 1024
+    bodies_per_team: int = 4
+    bodies_in_flight: int = 32
 
     def token_entries(self) -> tuple[TokenEntry, ...]:
         """Every accepted token: :attr:`tokens`, then :attr:`token_sha256` (team default)."""
