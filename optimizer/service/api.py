@@ -575,7 +575,7 @@ def build_app(args: dict[str, Any] | ServiceSettings) -> Any:
     from optimizer.runners import serve_deployment
 
     settings = args if isinstance(args, ServiceSettings) else settings_from_args(args)
-    return serve_deployment(_Ingress, "autotune-api", settings)
+    return serve_deployment(_Ingress, "autotune-api", settings, max_ongoing_requests=REPLICA_SLOTS)
 
 
 def run_service(

@@ -5,9 +5,10 @@ baseline and gains, secrets redacted, cancel, and the export download."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import optuna
 import pytest
@@ -341,3 +342,41 @@ def test_times_out_of_range_are_refused_not_stored(client: TestClient) -> None:
     assert r.status_code == 422 and "not_before: " in r.json()["detail"]
     r = client.get("/v1/studies", headers=AUTH)
     assert r.status_code == 200 and r.json() == []
+
+
+def test_the_api_replica_starts_at_the_trials_priority(
+    service: JobService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42, item 6: trial actors raise themselves from Ray's worker niceness (15) to
+    TRIAL_NICENESS while the API replica stayed at 15 (/healthz p95 580 ms while validations
+    ran); the replica's worker now starts at the trials' niceness, and takes REPLICA_SLOTS
+    requests at once, more than the request bodies that may be in flight."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from optimizer import runners
+    from optimizer.service.api import build_app
+    from optimizer.service.settings import REPLICA_SLOTS
+
+    options: dict[str, Any] = {}
+
+    def deployment(**kw: Any) -> Any:
+        options.update(kw)
+        return lambda _cls: SimpleNamespace(bind=lambda *args: args)
+
+    monkeypatch.setattr(serve, "deployment", deployment)
+    monkeypatch.setattr(serve, "ingress", lambda: lambda cls: cls)
+    assert build_app(service.settings) == (service.settings,)
+    env = options["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert int(env["RAY_worker_niceness"]) == runners.TRIAL_NICENESS == 0
+    assert options["ray_actor_options"]["num_cpus"] == 0
+    assert options["max_ongoing_requests"] == REPLICA_SLOTS > service.settings.bodies_in_flight
+
+    # ... the niceness a trial actor takes
+    taken: list[int] = []
+    monkeypatch.setattr(os, "setpriority", lambda _w, _who, value: taken.append(value))
+    monkeypatch.setattr(runners, "run_trial", lambda _spec, **_kw: "result")
+    result: Any = runners._TrialActor().run(cast(Any, SimpleNamespace(preload_next=False)))
+    assert result == "result"
+    assert taken == [runners.TRIAL_NICENESS]
