@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import FormData, UploadFile
@@ -95,10 +96,38 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _error(status: int, detail: str) -> JSONResponse:
+    # Every line plain, whatever a message quotes (a lone surrogate would not even encode).
+    detail = "\n".join(printable(line, None) for line in detail.split("\n"))
     body: dict[str, Any] = {"detail": detail}
     if status == 422:
         body["errors"] = [ln.strip() for ln in detail.splitlines()[1:] if ln.strip()]
     return JSONResponse(status_code=status, content=body)
+
+
+def printable(text: str, limit: int | None = 80) -> str:
+    """``text`` cut to ``limit`` characters (None: whole), every character that does not
+    print (controls, format characters, line separators, lone surrogates, unassigned ones)
+    written as its escape (``\\x1b``, ``\\u2028``, ``\\ud800``): one plain line, whatever
+    was sent."""
+    cut = text if limit is None else text[:limit]
+    shown = "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in cut
+    )
+    return shown + ("..." if len(cut) < len(text) else "")
+
+
+def _invalid_request(errors: Sequence[Any]) -> str:
+    """FastAPI's validation errors of query and path parameters as one line each, the input
+    escaped (:func:`printable`), never echoed raw (issue 42)."""
+    lines = ["invalid request parameters:"]
+    for err in errors:
+        where = ".".join(printable(str(p), 40) for p in err.get("loc", ())) or "request"
+        line = f"{where}: {printable(str(err.get('msg', 'invalid')), 200)}"
+        value = err.get("input")
+        if isinstance(value, str | int | float | bool):
+            line += f" (got {printable(repr(value) if isinstance(value, str) else str(value))})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 #: OpenAPI description of a submission body (JSON, YAML or multipart).
@@ -132,11 +161,16 @@ _SUBMISSION_BODY = {
 
 
 def _map_errors(app: FastAPI) -> None:
-    """Errors to statuses, in one place: 422 invalid, 404 unknown, the refusal's own, 413."""
+    """Errors to statuses, in one place: 422 invalid (FastAPI's own for query and path
+    parameters too, its input escaped), 404 unknown, the refusal's own, 413."""
 
     @app.exception_handler(ConfigError)
     async def _config(_r: Request, exc: ConfigError) -> JSONResponse:
         return _error(422, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, _invalid_request(exc.errors()))
 
     @app.exception_handler(NotFound)
     async def _missing(_r: Request, exc: NotFound) -> JSONResponse:

@@ -380,3 +380,27 @@ def test_the_api_replica_starts_at_the_trials_priority(
     result: Any = runners._TrialActor().run(cast(Any, SimpleNamespace(preload_next=False)))
     assert result == "result"
     assert taken == [runners.TRIAL_NICENESS]
+
+
+def test_validation_errors_of_parameters_never_echo_unprintable_input(client: TestClient) -> None:
+    """Issue 42, item 8: FastAPI's own 422 for query and path parameters echoed its input raw
+    (``export?format=vllm-config%0A%1B%5B31m``); now one escaped line per error, in the
+    service's error shape (detail and errors)."""
+    r = client.post("/v1/studies/x/export?format=vllm-config%0A%1B%5B31m", headers=AUTH)
+    assert r.status_code == 422
+    doc = r.json()
+    assert doc["errors"] == [
+        "query.format: Input should be 'vllm-config', 'vllm-cli', 'kubernetes', 'helm' or "
+        "'ray-serve' (got 'vllm-config\\n\\x1b[31m')"
+    ]
+    assert doc["detail"].splitlines()[1:] == doc["errors"]
+    r = client.get("/v1/studies/x/trials/%E2%80%AE1%1B", headers=AUTH)
+    assert r.status_code == 422
+    assert r.json()["errors"] == [
+        "path.number: Input should be a valid integer, unable to parse string as an integer "
+        "(got '\\u202e1\\x1b')"
+    ]
+    # a lone surrogate's bytes (no UTF-8 URL holds one): read as U+FFFD, answered plainly
+    r = client.post("/v1/studies/x/export?format=%ED%A0%80", headers=AUTH)
+    assert r.status_code == 422
+    assert all(line.isprintable() for line in r.json()["detail"].split("\n")), r.text

@@ -9,8 +9,12 @@ cancel and export code rather than only the 404s of random ids; and valid jobs w
 set to arbitrary JSON and any time window reach the job loader and the scheduler's times.
 Control characters (NUL, line breaks as YAML reads them, escapes, bidi overrides) go into every
 string field: schemathesis's own strings may hold them (``allow_x00``, UTF-8), and valid
-submissions with one control character in any string or key of the job or its envelope must
-be refused naming the key (issue 24), never accepted or answered with a 5xx.
+submissions with one control character or lone surrogate (``"\\ud800"`` in JSON) in any string
+or key of the job or its envelope must be refused naming the key (issues 24 and 42), never
+accepted or answered with a 5xx. Query and path
+parameters get the same characters, lone surrogates among them (sent as their bytes,
+percent-encoded, as no UTF-8 URL can hold one): never a 5xx, and no error answer holds a
+character that does not print (FastAPI's own 422 echoed its input raw: issue 42).
 Derandomized (the same cases every run); ``-s`` prints the case counts and statuses.
 """
 
@@ -20,16 +24,19 @@ import base64
 import copy
 import json
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import schemathesis
 import yaml
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import APIOperation, Case, GenerationMode
@@ -60,6 +67,7 @@ ANON_EXAMPLES = 10
 MUTANT_EXAMPLES = 100
 HOSTILE_EXAMPLES = 60
 CONTROL_EXAMPLES = 80
+PARAMETER_EXAMPLES = 15  # for each query and path parameter of each operation
 
 CASES: Counter[str] = Counter()  # requests sent, by pass and operation
 STATUSES: Counter[str] = Counter()  # what they got, with a token
@@ -186,13 +194,15 @@ _JOB = job_doc(
     enqueue=[{"kv-cache-dtype": "fp8"}],
 )
 #: Jobs with the string fields that cannot share one valid job: a preset (or a preset space),
-#: a made model, an engine interpreter and earlier study folders (refused, but strings).
+#: a made model, a sampler's startup, an engine interpreter and earlier study folders (refused,
+#: but strings).
 _OTHER_JOBS = [
     job_doc(
         "fuzz-other",
         model={"path": "tiny-fuzz", "make": "tiny"},
         objectives={"preset": "default"},
         search_space="default",
+        sampler={"name": "tpe", "startup": "guided"},
     ),
     job_doc(
         "fuzz-refused",
@@ -243,7 +253,8 @@ def _aim(case: Case[Any], data: st.DataObject, app: _App) -> None:
             STATUSES[f"(POST /v1/studies sent a {kind} job)"] += 1
 
 
-# Issue 24: one control character in any string (a value or a key) of a valid submission.
+# Issue 24: one control character in any string (a value or a key) of a valid submission; issue
+# 42: or a lone surrogate.
 _CONTROLS = st.sampled_from(
     [
         "\n",
@@ -258,10 +269,12 @@ _CONTROLS = st.sampled_from(
         "\u2029",
         "\u202e",
         "\ufeff",
+        "\ud800",  # lone surrogates (issue 42): half of a UTF-16 pair, no character at all
+        "\udfff",
     ]
 )
 _UPLOAD = {"filename": "t.csv", "content_b64": base64.b64encode(TRACE.read_bytes()).decode()}
-_ENVELOPES = [
+_ENVELOPES: list[dict[str, Any]] = [
     {"job": _JOB, "not_before": "2030-01-01T00:00:00", "until": "2031-01-01T00:00:00"},
     {"job": _JOB, "trace_upload": _UPLOAD},
     *({"job": job} for job in _OTHER_JOBS),
@@ -362,6 +375,8 @@ def test_no_server_errors_with_a_token(api_schema: schemathesis.BaseSchema, fuzz
             CASES[f"authed {case.method} {case.path}"] += 1
             response = case.call_and_validate(checks=[not_a_server_error])
             STATUSES[f"{case.method} {case.path} -> {response.status_code}"] += 1
+            if 400 <= response.status_code < 500:
+                assert not unplain_strings(response), response.text[:300]
 
         fuzz()
     # The aiming works: real studies were read, exported and cancelled, not only 404s.
@@ -546,5 +561,123 @@ def test_without_a_token_only_healthz_answers(api_schema: schemathesis.BaseSchem
             else:
                 assert response.status_code == 401, (case.method, case.path, response.text)
                 assert response.headers.get("www-authenticate") == ["Bearer"]
+
+        fuzz()
+
+
+# Issue 42: what a query or path parameter may hold, lone surrogates included.
+_PARAMETER_PIECES = st.sampled_from(
+    [
+        "\n",
+        "\r\n",
+        "\x00",
+        "\x1b[31m",
+        "\x7f",
+        "\x85",
+        "\u2028",
+        "\u202e",
+        "\ufeff",
+        "\ud800",
+        "\udfff",
+        "\udc80",
+        "vllm-config",
+        "max-throughput",
+        "p95_ttft_ms=1",
+        "1",
+        "true",
+        "/",
+        "%",
+        " ",
+        "\u00e9",
+    ]
+)
+_PARAMETER_TEXT = st.lists(_PARAMETER_PIECES | st.text(max_size=4), min_size=1, max_size=6).map(
+    "".join
+)
+#: Categories that never print on a line: controls, format characters, line and paragraph
+#: separators, lone surrogates.
+_UNPLAIN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def unplain_strings(response: Any) -> list[str]:
+    """The lines of an answer's strings (keys too; a JSON answer decoded) that hold a
+    character that does not print: a control, format or separator character, a lone
+    surrogate."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = response.text
+    found: list[str] = []
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
+        elif isinstance(node, str):
+            found += [
+                line
+                for line in node.split("\n")
+                if any(unicodedata.category(ch) in _UNPLAIN for ch in line)
+            ]
+    return found
+
+
+def _parameters(app: FastAPI) -> list[tuple[str, str, str, str]]:
+    """(method, path, where, name) of every query and path parameter in the app's OpenAPI."""
+    found = []
+    for path, methods in app.openapi()["paths"].items():
+        for method, op in methods.items():
+            for param in op.get("parameters", []):
+                if param["in"] in ("query", "path"):
+                    found.append((method.upper(), path, param["in"], param["name"]))
+    return found
+
+
+def _encoded(value: str) -> str:
+    """``value`` percent-encoded from its UTF-8 bytes (a lone surrogate as its own three)."""
+    return quote(value.encode("utf-8", "surrogatepass"), safe="")
+
+
+def test_query_and_path_parameters_never_echo_unprintable_input(fuzz_app: _App) -> None:
+    """One query or path parameter of any operation set to text with control characters,
+    escapes, bidi overrides or lone surrogates, the others valid (a real study, trial and
+    validation; a valid format): never a 5xx, and no line of an error answer holds a character
+    that does not print (``export?format=vllm-config%0A%1B%5B31m`` was echoed raw)."""
+    params = _parameters(fuzz_app.app)
+    assert {(w, n) for _m, _p, w, n in params} >= {
+        ("path", "study_id"),
+        ("path", "number"),
+        ("path", "validation_id"),
+        ("query", "format"),
+        ("query", "runs"),
+        ("query", "weight"),
+    }
+    valid = {
+        "study_id": fuzz_app.ids[0],
+        "number": "0",
+        "validation_id": fuzz_app.validations[0],
+        "format": "vllm-config",
+    }
+    client = TestClient(fuzz_app.app)
+    for target in params:
+
+        @settings(_FUZZ, max_examples=PARAMETER_EXAMPLES)
+        @given(value=_PARAMETER_TEXT, at=st.just(target))
+        def fuzz(value: str, at: tuple[str, str, str, str]) -> None:
+            method, path, where, name = at
+            query = {"format": _encoded(valid["format"])} if "export" in path else {}
+            for key in [k for k in valid if f"{{{k}}}" in path]:
+                path = path.replace(f"{{{key}}}", _encoded(value if key == name else valid[key]))
+            if where == "query":
+                query[name] = _encoded(value)
+            url = path + "?" + "&".join(f"{k}={v}" for k, v in query.items())
+            CASES[f"parameter {method} {where} {name}"] += 1
+            response = client.request(method, url.rstrip("?"), headers=AUTH)
+            STATUSES[f"parameter {where} {name} -> {response.status_code}"] += 1
+            assert response.status_code < 500, (url, response.text[:300])
+            if response.status_code >= 400:
+                assert not unplain_strings(response), (url, response.text[:300])
 
         fuzz()
