@@ -93,6 +93,7 @@ STRATEGIES = (
     "random-racing",
     "tpe2-racing",
     "gp-racing",
+    "rf-racing",
     "guided",
     "tpe-guided",
     "tpe",
@@ -104,9 +105,18 @@ STRATEGIES = (
 WARM = "tpe-warm"
 GUIDED = ("guided", "tpe-guided")  # optimizer.guided.GuidedSampler in front of TPE
 # The strategies that race the incumbent.
-RACING = ("tpe-racing", "random-racing", "tpe2-racing", "gp-racing", *GUIDED, WARM)
+RACING = ("tpe-racing", "random-racing", "tpe2-racing", "gp-racing", "rf-racing", *GUIDED, WARM)
 # Proposals of a model (KnowledgeSampler) or of the guide: counted by their origin.
-MODEL_STRATEGIES = ("tpe-racing", "tpe2-racing", "gp-racing", "tpe", "gp", *GUIDED, WARM)
+MODEL_STRATEGIES = (
+    "tpe-racing",
+    "tpe2-racing",
+    "gp-racing",
+    "rf-racing",
+    "tpe",
+    "gp",
+    *GUIDED,
+    WARM,
+)
 # A measured trial's origin (Run.origins): the sampler's (optimizer.sampling.KnowledgeSampler's
 # origins, GuidedSampler's guided), "own" (a strategy without a model), the baseline, a warm
 # start's enqueued ones.
@@ -183,6 +193,10 @@ def _sampler(
         cap = 4 if name == "tpe-guided" else None
         fallback = model_sampler("tpe", seed, 4)
         return GuidedSampler(space, fallback, max_guided=cap, symptom=_told_symptom)
+    if name == "rf-racing":  # SMAC's random forest (optimizer.rf_sampler; the `rf` extra)
+        from optimizer.rf_sampler import RFSampler
+
+        return RFSampler(seed=seed, n_startup_trials=4)
     if name in ("random", "random-racing"):
         return optuna.samplers.RandomSampler(seed=seed)
     raise SystemExit(f"unknown strategy {name!r}: one of {', '.join((*STRATEGIES, WARM))}")

@@ -329,9 +329,10 @@ class SamplerSection(_Strict):
     grid to measure every configuration of a space whose params are all enumerable (a
     categorical param's choices, a numeric param's steps) once, in an order the seed shuffles;
     ``guided``: the tuning guide's moves from the baseline (optimizer.guided), then TPE;
-    ``auto``: grid where the trial budget covers the space, else TPE."""
+    ``auto``: grid where the trial budget covers the space, else TPE; ``rf``: SMAC3's
+    random-forest surrogate (optimizer.rf_sampler, the ``rf`` extra)."""
 
-    name: Literal["tpe", "gp", "random", "grid", "guided", "auto"] = "tpe"
+    name: Literal["tpe", "gp", "rf", "random", "grid", "guided", "auto"] = "tpe"
     seed: int | None = 0
     n_startup_trials: int = Field(default=4, ge=0)
     # TPE's and GP's first n_startup_trials: random draws, or the tuning guide's moves from the

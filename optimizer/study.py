@@ -501,6 +501,10 @@ def _sampler(
         return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "grid":
         return _GridSampler(space.grid(), seed=s.seed)
+    if s.name == "rf":
+        from optimizer.rf_sampler import RFSampler  # SMAC3: the `rf` extra
+
+        return RFSampler(seed=seed, n_startup_trials=s.n_startup_trials)
     model = model_sampler("tpe" if s.name == "guided" else s.name, seed, s.n_startup_trials, priors)
     if s.name == "guided" or s.startup == "guided":
         cap = None if s.name == "guided" else s.n_startup_trials

@@ -766,3 +766,17 @@ def test_auto_picks_the_grid_where_the_budget_covers_the_space(tmp_path: Path) -
         )
         plan = prepare(job, base, check_flags=False)
         assert isinstance(_sampler(plan.job, plan.space), kind), trials
+
+
+def test_an_rf_study_runs_with_smacs_random_forest(tmp_path: Path) -> None:
+    from optimizer.rf_sampler import RFSampler
+    from optimizer.sampling import ORIGIN_ATTR
+
+    runner = FakeRunner()
+    driver = _driver(tmp_path, runner, trials=7, sampler={"name": "rf", "seed": 0})
+    study = driver.run()
+    assert isinstance(study.sampler, RFSampler)
+    origins = [t.system_attrs.get(ORIGIN_ATTR) for t in study.get_trials()[1:]]
+    assert "model" in origins, origins
+    measured = [json.dumps(t.params, sort_keys=True) for t in study.get_trials()[1:]]
+    assert len(measured) == len(set(measured))
