@@ -52,7 +52,7 @@ from optimizer.service.security import MAX_BODY_BYTES
 from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, REPLICA_SLOTS, ServiceSettings
 from optimizer.service.store import JobStore
 from optimizer.service.study_host import RayDriverLauncher
-from optimizer.service.submissions import CheckPool, Submission, parse_submission_body
+from optimizer.service.submissions import Submission, parse_body, parse_submission
 
 __all__ = [
     "APP_NAME",
@@ -208,30 +208,32 @@ def _capped(request: Request, limit: int) -> Request:
 
 @asynccontextmanager
 async def _read_submission(
-    request: Request, limit: int, pool: CheckPool
+    request: Request, limit: int
 ) -> AsyncIterator[tuple[Submission, Upload | None]]:
     """A submission and its uploaded trace from a multipart body of at most ``limit`` bytes,
     or a JSON or YAML one of at most :data:`~optimizer.service.security.MAX_BODY_BYTES` (the
     job part of a multipart body too: what parsing a job may cost is bounded); a multipart
-    trace part is a file spooled to disk, deleted on exit. A job is parsed in ``pool`` (a
-    process of its own: a large body takes long)."""
+    trace part is a file spooled to disk, deleted on exit."""
     ctype = request.headers.get("content-type", "")
     job_limit = min(limit, MAX_BODY_BYTES)
     if not ctype.startswith("multipart/form-data"):
         body = await _read_body(request, job_limit)
-        yield await run_in_threadpool(pool.run, parse_submission_body, body, ctype), None
+        yield await run_in_threadpool(_parse_submission, body, ctype), None
         return
     # Parsed as it streams in; file parts go to temporary files in a worker thread.
     form = await _capped(request, limit).form(max_files=2, max_fields=8, max_part_size=job_limit)
     try:
-        yield await _form_submission(form, job_limit, pool)
+        yield await _form_submission(form, job_limit)
     finally:
         await form.close()
 
 
-async def _form_submission(
-    form: FormData, job_limit: int, pool: CheckPool
-) -> tuple[Submission, Upload | None]:
+def _parse_submission(body: bytes, content_type: str) -> Submission:
+    """A JSON or YAML body's submission (in a worker thread: a large YAML body takes long)."""
+    return parse_submission(parse_body(body, content_type))
+
+
+async def _form_submission(form: FormData, job_limit: int) -> tuple[Submission, Upload | None]:
     """The submission of a multipart form: its `job` part (at most ``job_limit`` bytes),
     time window and `trace` file."""
     part = form.get("job")
@@ -243,7 +245,7 @@ async def _form_submission(
             raise _TooLarge(job_limit, "the multipart `job` part")
     else:
         raw, part_type = part.encode(), ""
-    sub = await run_in_threadpool(pool.run, parse_submission_body, raw, part_type)
+    sub = await run_in_threadpool(_parse_submission, raw, part_type)
     window: dict[str, Any] = {}
     for key in ("not_before", "until"):
         value = form.get(key)
@@ -338,16 +340,9 @@ def _add_study_routes(app: FastAPI, service: JobService, authed: list[Any], call
     )
     async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
-        # The team's check slot before any of the body is read: one over the bound is
-        # answered 429 at once, its body never received; freed however the request ends.
-        with service.checks.hold(who.team):
-            async with _read_submission(request, settings.max_upload_bytes, service.pool) as (
-                sub,
-                upload,
-            ):
-                # the upload's copy in a worker thread; the row count and the plan check in
-                # a worker process (JobService.pool)
-                rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
+        async with _read_submission(request, settings.max_upload_bytes) as (sub, upload):
+            # the upload's copy, the row count and the plan check: in a worker thread
+            rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
         return {**service.summary(rec), "notes": notes}
 
     @app.get("/v1/studies", dependencies=authed, tags=["studies"])
@@ -447,7 +442,7 @@ def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], call
 def _submit(
     service: JobService, sub: Submission, upload: Upload | None, who: Principal
 ) -> tuple[Any, list[str]]:
-    return service.submit(sub, upload=upload, owner=who, held=True)
+    return service.submit(sub, upload=upload, owner=who)
 
 
 # --- Ray Serve --------------------------------------------------------------------------------

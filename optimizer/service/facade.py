@@ -52,13 +52,7 @@ from optimizer.service.store import (
     belongs_to,
     study_name_for,
 )
-from optimizer.service.submissions import (
-    CheckPool,
-    CheckSlots,
-    Submission,
-    safe_filename,
-    save_upload,
-)
+from optimizer.service.submissions import CheckSlots, Submission, safe_filename, save_upload
 from optimizer.service.validations import Validation, ValidationQueue
 from optimizer.text import escape_controls
 from optimizer.trial_view import TrialView, metric_names
@@ -159,8 +153,6 @@ class JobService:
         self.store = store
         self.scheduler = scheduler
         self.check_plan = check_plan if check_plan is not None else _prepare_check
-        # the real check in processes of its own (a fake one, not picklable, in the caller)
-        self.pool = CheckPool(settings.max_plan_checks if check_plan is None else 0)
         self.validator = validator if validator is not None else _cluster_validator
         self.clock = clock
         self.data_dir = Path(settings.data_dir).resolve()
@@ -185,7 +177,6 @@ class JobService:
         *,
         upload: Upload | None = None,
         owner: Principal | None = None,
-        held: bool = False,
     ) -> tuple[JobRecord, list[str]]:
         """Check a submission and queue it.
 
@@ -193,8 +184,6 @@ class JobService:
             sub: The submission.
             upload: A trace uploaded as a file part: (file name, bytes or a binary file).
             owner: Who submits (its team owns the study; None: the default team).
-            held: The caller already holds the team's check slot (the API takes it before
-                the body is read).
 
         Returns:
             The queued job and notes on what the service changed in it.
@@ -208,7 +197,7 @@ class JobService:
         job_id = uuid.uuid4().hex[:12]
         upload_dir = self.data_dir / "uploads" / job_id
         team = owner.team if owner is not None else DEFAULT_TEAM
-        with contextlib.nullcontext() if held else self.checks.hold(team):
+        with self.checks.hold(team):
             try:
                 return self._submit(job_id, upload_dir, sub, upload, team)
             except BaseException:
@@ -234,13 +223,8 @@ class JobService:
         # the model path as given: load_job resolves a relative one that exists beside its base
         job = self._check_files(job, upload_dir, str(doc["model"]["path"]), team)
         self._check_space(job)
-        path = Path(job.trace.path)
-        limits = (
-            self.settings.max_trace_rows,
-            self.settings.max_upload_bytes if path.is_relative_to(upload_dir) else None,
-        )
-        # the trace's rows counted, then the plan: in a worker process (CheckPool)
-        self.pool.run(_check_trace_and_plan, self.check_plan, job, base, limits)
+        self._check_trace_size(job, upload_dir)
+        self._prepare(job, base)
         now = self.clock()
         rec = JobRecord(
             id=job_id,
@@ -469,6 +453,43 @@ class JobService:
                 "allows); the service does not quote the file: `vllm-autotune tune` with the "
                 "job locally says what is wrong, or inline the space in the job"
             ) from None
+
+    def _check_trace_size(self, job: JobConfig, upload_dir: Path) -> None:
+        """At most the operator's rows in the trace, counted before it is parsed; an uploaded
+        one at most the upload limit once decompressed."""
+        path = Path(job.trace.path)
+        uploaded = path.is_relative_to(upload_dir)
+        security.check_trace_size(
+            path,
+            self.settings.max_trace_rows,
+            self.settings.max_upload_bytes if uploaded else None,
+        )
+
+    def _prepare(self, job: JobConfig, base: Path) -> None:
+        """The plan check, with every failure a 4xx that quotes none of the trace; what it
+        allocated (the whole trace, read and shaped) goes back to the system after it."""
+        try:
+            self.check_plan(job, base)
+        except TraceError as exc:
+            where = ", ".join(
+                f"{k} {v}" for k, v in (("line", exc.line), ("field", exc.field)) if v is not None
+            )
+            raise ConfigError(
+                f"trace: {Path(job.trace.path).name} cannot be read"
+                + (f" ({where})" if where else "")
+                + "; the service does not quote the file: `vllm-autotune trace inspect` on it "
+                "says what is wrong"
+            ) from None
+        except (ConfigError, SubmissionRefused):
+            raise
+        except Exception as exc:
+            log.warning("submission refused: its plan failed with %s", type(exc).__name__)
+            raise ConfigError(
+                f"the job could not be prepared ({type(exc).__name__}): the trace or the "
+                "model folder is unreadable; `vllm-autotune tune` on it locally says more"
+            ) from None
+        finally:
+            _return_freed_memory()
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -877,41 +898,6 @@ class JobService:
             "scheduler": self.scheduler.alive,
             "last_tick": _iso(self.scheduler.last_tick),
         }
-
-
-def _check_trace_and_plan(
-    check_plan: Callable[[JobConfig, Path], None],
-    job: JobConfig,
-    base: Path,
-    limits: tuple[int, int | None],
-) -> None:
-    """At most ``limits[0]`` rows in the trace, counted before it is parsed (an uploaded one
-    at most ``limits[1]`` bytes once decompressed), then the plan check, with every failure a
-    4xx that quotes none of the trace; what it allocated (the whole trace, read and shaped)
-    goes back to the system after it. Pure: run in a worker process."""
-    security.check_trace_size(Path(job.trace.path), *limits)
-    try:
-        check_plan(job, base)
-    except TraceError as exc:
-        where = ", ".join(
-            f"{k} {v}" for k, v in (("line", exc.line), ("field", exc.field)) if v is not None
-        )
-        raise ConfigError(
-            f"trace: {Path(job.trace.path).name} cannot be read"
-            + (f" ({where})" if where else "")
-            + "; the service does not quote the file: `vllm-autotune trace inspect` on it "
-            "says what is wrong"
-        ) from None
-    except (ConfigError, SubmissionRefused):
-        raise
-    except Exception as exc:
-        log.warning("submission refused: its plan failed with %s", type(exc).__name__)
-        raise ConfigError(
-            f"the job could not be prepared ({type(exc).__name__}): the trace or the "
-            "model folder is unreadable; `vllm-autotune tune` on it locally says more"
-        ) from None
-    finally:
-        _return_freed_memory()
 
 
 def _return_freed_memory() -> None:

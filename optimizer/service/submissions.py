@@ -3,19 +3,14 @@ from JSON, YAML or multipart bodies without trusting any of it.
 
 An uploaded trace keeps a short, safe version of its file name (:func:`safe_filename`) and is
 copied in chunks, refused past the upload limit (:func:`save_upload`). How many submissions
-are checked at once is bounded, per team and in all (:class:`CheckSlots`), and their CPU-bound
-work (body parsing, the trace's rows counted and read, the plan built) runs in a pool of
-processes of its own (:class:`CheckPool`), so the process that answers ``/healthz`` never waits
-for it (issue 42, case 5)."""
+are checked at once is bounded, per team and in all (:class:`CheckSlots`)."""
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import re
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -30,7 +25,6 @@ from optimizer.text import escape_controls
 __all__ = [
     "CHECK_RETRY_AFTER_S",
     "MAX_FILENAME",
-    "CheckPool",
     "CheckSlots",
     "Submission",
     "TraceUpload",
@@ -215,63 +209,3 @@ class CheckSlots:
                     self._teams[team] = left
                 else:
                     del self._teams[team]
-
-
-class CheckPool:
-    """Where a submission's CPU-bound work runs: a pool of ``workers`` processes (spawned,
-    created on first use: one pool per replica), so the work holds neither the replica's
-    event loop nor its GIL; or, with ``workers`` 0, the calling thread (tests' fakes, which
-    need not be picklable).
-
-    Args:
-        workers: Processes (the plan-check bound: at most that many checks run at once);
-            0 runs the work in the caller.
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.workers = max(0, workers)
-        self._pool: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a worker process (blocking the calling thread until it is done);
-        ``fn``, its arguments, its result and any exception it raises must pickle."""
-        if self.workers == 0:
-            return fn(*args)
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn")
-                )
-            pool = self._pool
-        outcome = pool.submit(_outcome, fn, *args).result()
-        if outcome[0] == "config":
-            raise ConfigError(outcome[1])
-        if outcome[0] == "refused":
-            raise SubmissionRefused(outcome[1], status=outcome[2], retry_after_s=outcome[3])
-        return outcome[1]
-
-    def close(self) -> None:
-        """Stop the worker processes (a later :meth:`run` starts new ones)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _outcome(fn: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
-    """``fn(*args)`` in a worker process, its refusal as plain values (an exception with
-    keyword arguments does not unpickle): ``("ok", result)``, ``("config", message)`` or
-    ``("refused", message, status, retry_after_s)``."""
-    try:
-        return ("ok", fn(*args))
-    except SubmissionRefused as exc:
-        return ("refused", str(exc), exc.status, exc.retry_after_s)
-    except ConfigError as exc:
-        return ("config", str(exc))
-
-
-def parse_submission_body(body: bytes, content_type: str) -> Submission:
-    """A JSON or YAML body's submission (:func:`parse_body`, :func:`parse_submission`): run
-    in a :class:`CheckPool` (a large body takes long)."""
-    return parse_submission(parse_body(body, content_type))
