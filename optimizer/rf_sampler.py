@@ -66,7 +66,7 @@ from optuna.search_space import intersection_search_space
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer.sampling import ORIGIN_ATTR, _free_list, _held, _key
+from optimizer.sampling import _held, _key, free_draw, note_origin
 
 if TYPE_CHECKING:
     from ConfigSpace import ConfigurationSpace
@@ -81,8 +81,6 @@ configuration in place of SMAC's held or missing ones, a configuration fixed bef
 _CANDIDATES = 16
 """SMAC's candidates tried for a free one before a free random configuration is taken."""
 
-_DRAWS = 1_000
-"""Random draws tried for a free configuration before the free ones are listed."""
 
 _RANDOM_SHARE = 0.2
 """SMAC's share of interleaved random configurations (its facade's default)."""
@@ -152,8 +150,7 @@ class RFSampler(BaseSampler):
         return random.Random(f"{self._seed}:{trial.number}").randrange(2**31)
 
     def _note(self, study: optuna.Study, trial: FrozenTrial, origin: str) -> None:
-        self.origins[origin] += 1
-        study._storage.set_trial_system_attr(trial._trial_id, ORIGIN_ATTR, origin)
+        note_origin(self.origins, study, trial, origin)
 
     def _free(
         self,
@@ -162,15 +159,7 @@ class RFSampler(BaseSampler):
         space: dict[str, BaseDistribution],
         held: set[Key],
     ) -> dict[str, Any] | None:
-        """A configuration nobody holds: Optuna's random draws until one is free; when the space
-        is nearly all held, uniformly among the free ones listed (None: none is free)."""
-        names = sorted(space)
-        for _ in range(_DRAWS):
-            draw = {n: self._random.sample_independent(study, trial, n, space[n]) for n in names}
-            if _key(draw, space) not in held:
-                return draw
-        free = _free_list(space, held)
-        return self._rng.choice(free) if free else None
+        return free_draw(self._random, self._rng, study, trial, space, held)
 
     def sample_independent(
         self,

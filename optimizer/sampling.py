@@ -58,7 +58,15 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler, GPSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["MODEL_SAMPLERS", "ORIGINS", "ORIGIN_ATTR", "KnowledgeSampler", "model_sampler"]
+__all__ = [
+    "MODEL_SAMPLERS",
+    "ORIGINS",
+    "ORIGIN_ATTR",
+    "KnowledgeSampler",
+    "free_draw",
+    "model_sampler",
+    "note_origin",
+]
 
 MODEL_SAMPLERS = ("tpe", "gp", "guided")
 """Samplers that learn from trials (and so from a warm start's priors; ``guided`` hands over to
@@ -315,8 +323,7 @@ class KnowledgeSampler(BaseSampler):
         return free
 
     def _note(self, study: optuna.Study, trial: FrozenTrial, origin: str) -> None:
-        self.origins[origin] += 1
-        study._storage.set_trial_system_attr(trial._trial_id, ORIGIN_ATTR, origin)
+        note_origin(self.origins, study, trial, origin)
 
     def _best_free(
         self,
@@ -346,15 +353,7 @@ class KnowledgeSampler(BaseSampler):
         space: dict[str, BaseDistribution],
         held: set[tuple[Any, ...]],
     ) -> dict[str, Any] | None:
-        """A configuration nobody holds: Optuna's random draws (log scales kept) until one is
-        free; when the space is nearly all held, uniformly among the free ones listed."""
-        names = sorted(space)
-        for _ in range(_DRAWS):
-            draw = {n: self._random.sample_independent(study, trial, n, space[n]) for n in names}
-            if _key(draw, space) not in held:
-                return draw
-        free = _free_list(space, held)
-        return self._rng.choice(free) if free else None
+        return free_draw(self._random, self._rng, study, trial, space, held)
 
     def sample_independent(
         self,
@@ -423,6 +422,34 @@ def _held(
 
 _DRAWS = 2_000
 _ENUMERABLE = 100_000
+
+
+def note_origin(
+    origins: Counter[str], study: optuna.Study, trial: FrozenTrial, origin: str
+) -> None:
+    """Count a proposal's origin (one of :data:`ORIGINS`) and store it on its trial."""
+    origins[origin] += 1
+    study._storage.set_trial_system_attr(trial._trial_id, ORIGIN_ATTR, origin)
+
+
+def free_draw(
+    sampler: optuna.samplers.RandomSampler,
+    rng: random.Random,
+    study: optuna.Study,
+    trial: FrozenTrial,
+    space: dict[str, BaseDistribution],
+    held: set[tuple[Any, ...]],
+) -> dict[str, Any] | None:
+    """A configuration nobody holds: ``sampler``'s random draws (log scales kept) until one is
+    free; when the space is nearly all held, uniformly (``rng``) among the free ones listed
+    (None: none is free)."""
+    names = sorted(space)
+    for _ in range(_DRAWS):
+        draw = {n: sampler.sample_independent(study, trial, n, space[n]) for n in names}
+        if _key(draw, space) not in held:
+            return draw
+    free = _free_list(space, held)
+    return rng.choice(free) if free else None
 
 
 def _values(dist: BaseDistribution) -> list[Any] | None:
