@@ -233,7 +233,7 @@ def start_point(
         values = _ordered(dist)
         value = engine_args.get(name, _DEFAULTS.get(name))
         if values is None:
-            out[name] = value if value is not None else dist._asdict().get("low")
+            out[name] = value if value is not None else getattr(dist, "low", None)
             continue
         out[name] = _nearest(values, value) if value is not None else values[len(values) // 2]
     return out

@@ -149,7 +149,11 @@ class _FreeTPESampler(TPESampler):
         self, study: optuna.Study, trial: FrozenTrial, space: dict[str, BaseDistribution]
     ) -> tuple[Any, Any]:
         """l(x) and g(x) exactly as :meth:`TPESampler._sample` builds them (Optuna 5)."""
-        from optuna.samplers._tpe.sampler import _split_trials, default_gamma
+        from optuna.samplers._tpe.sampler import (
+            _split_trials,
+            default_gamma,
+            default_gamma_multiobjective,
+        )
 
         states = [TrialState.COMPLETE, TrialState.PRUNED]
         if self._constant_liar:
@@ -160,19 +164,14 @@ class _FreeTPESampler(TPESampler):
             if t.number != trial.number
         ]
         if self._gamma is None:
-            self._gamma = default_gamma if len(study.directions) <= 1 else _multi_gamma()
+            multi = len(study.directions) > 1
+            self._gamma = default_gamma_multiobjective if multi else default_gamma
         n = sum(t.state != TrialState.RUNNING for t in trials)
         below, above = _split_trials(study, trials, self._gamma(n))
         return (
             self._build_parzen_estimator(study, space, below, handle_below=True),
             self._build_parzen_estimator(study, space, above, handle_below=False),
         )
-
-
-def _multi_gamma() -> Any:
-    from optuna.samplers._tpe.sampler import default_gamma_multiobjective
-
-    return default_gamma_multiobjective
 
 
 class _FreeGPSampler(GPSampler):
@@ -207,6 +206,7 @@ class _FreeGPSampler(GPSampler):
         from optuna._gp.search_space import SearchSpace
 
         cands = self._candidates
+        # Optuna reads only len(trials) where the params are given: no trial objects needed.
         normalized = SearchSpace(self._candidate_space).get_normalized_params(
             cast(list[FrozenTrial], [None] * len(cands)), [dict(c) for c in cands]
         )
