@@ -141,6 +141,10 @@ class EngineSection(_Strict):
             imports would take cores from the replay being measured.
         speculation: The acceptance trials with speculative decoding are measured at
             (required when the model has random weights and the study can turn speculation on).
+        cpus: Linux: the cores (ids as ``taskset`` names them) every trial's server runs on;
+            its replay client then keeps to the tuner's other cores. On a CPU host a client
+            that shares cores with the server it loads misses its schedule once the server
+            saturates them (the replay is then retried, never scored). None: no pinning.
     """
 
     python: PlainText | None = None
@@ -151,8 +155,16 @@ class EngineSection(_Strict):
     baseline_args: dict[str, Any] | None = None
     preload: bool | None = None
     speculation: SpeculationSection | None = None
+    cpus: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
 
     _args = field_validator("args", "baseline_args")(_plain_tree)
+
+    @field_validator("cpus")
+    @classmethod
+    def _distinct_cpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"cores named twice: {v}")
+        return sorted(v) if v is not None else None
 
     @field_validator("env")
     @classmethod

@@ -50,6 +50,7 @@ from objectives import ObjectiveSet, load_objectives
 from optimizer.capacity.measure import dev_mode_env
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import JobConfig, parse_budget, parse_until
+from optimizer.engine.cpus import cpus_problem, server_cpus_env
 from optimizer.engine.defaults import (
     apply_engine_defaults,
     compile_cache_env,
@@ -314,6 +315,11 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         kv_cache_gib=job.engine.kv_cache_gib,
     )
     engine_args, env = defaults.args, defaults.env
+    if job.engine.cpus:
+        problem = cpus_problem(job.engine.cpus)
+        if problem:
+            raise ConfigError(problem)
+        env = server_cpus_env(job.engine.cpus, env, cpu_build=is_cpu)
     local_model = Path(model).is_dir()
     baseline = {
         **engine_args,

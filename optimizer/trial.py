@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
 from optimizer.capacity.trial import CapacityOutcome, run_capacity
+from optimizer.engine.cpus import client_pinned
 from optimizer.engine.defaults import memory_param_problem
 from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
@@ -392,7 +393,19 @@ def _in_client(
     progress: Callable[[ReplayProgress], None] | None,
     isolate_client: bool,
 ) -> _T:
-    """Run the client side of a trial here or, isolated, in a fresh process of its own."""
+    """Run the client side of a trial here or, isolated, in a fresh process of its own; off
+    the server's cores where ``engine.cpus`` pins it (:mod:`optimizer.engine.cpus`)."""
+    with client_pinned(spec.engine.env):
+        return _in_client_here(fn, spec, url, progress, isolate_client)
+
+
+def _in_client_here(
+    fn: Callable[..., _T],
+    spec: TrialSpec,
+    url: str,
+    progress: Callable[[ReplayProgress], None] | None,
+    isolate_client: bool,
+) -> _T:
     if isolate_client:
         with concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn")

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from optimizer.engine.cpus import pin_self
+
 __all__ = ["main", "process_start_time"]
 
 _POLL_S = 0.2
@@ -62,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     exit_file = Path(args[3])
     if os.fork() > 0:
         os._exit(0)  # the launcher: the owner reaps it; the guard lives on, reparented
+    try:
+        # engine.cpus: the guard takes the server's cores first; the server inherits them.
+        pin_self()
+    except (OSError, ValueError) as exc:
+        print(f"vllm-autotune guard: could not pin the server to its cores: {exc}", file=sys.stderr)
+        exit_file.write_text("2")
+        return 2
     child = subprocess.Popen(args[5:])
 
     def _forward(signum: int, _frame: object) -> None:

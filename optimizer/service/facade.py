@@ -312,6 +312,11 @@ class JobService:
                 raise ConfigError(
                     "engine.python: the service runs servers with its own vLLM; remove the key"
                 )
+            if engine.get("cpus") is not None:
+                # Cores of the operator's machines: placement is the operator's (its runner).
+                raise ConfigError(
+                    "engine.cpus: the service places servers on its own cores; remove the key"
+                )
             # Not mappings: the job loader below says so (iterating them here would be a 500).
             if isinstance(engine.get("env"), dict):
                 security.check_env(engine["env"])

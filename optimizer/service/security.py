@@ -636,6 +636,8 @@ def check_stored_study(
         raise ConfigError(
             "the study's engine.python: the service runs servers with its own vLLM only"
         )
+    if engine.get("cpus") is not None:
+        raise ConfigError("the study's engine.cpus: the service places servers on its own cores")
     check_env(engine.get("env") or {}, "the study's engine.env")
     for key in ("args", "baseline_args"):
         check_engine_args(engine.get(key) or {}, f"the study's engine.{key}")

@@ -259,6 +259,8 @@ def test_submission_checks_roots_overrides_and_uploads(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"engine\.python"):
         svc.submit(Submission(job=job_doc(engine={"python": "/bin/sh"})))
+    with pytest.raises(ConfigError, match=r"engine\.cpus"):
+        svc.submit(Submission(job=job_doc(engine={"cpus": [0]})))
     with pytest.raises(ConfigError, match="LD_PRELOAD"):
         svc.submit(Submission(job=job_doc(engine={"env": {"LD_PRELOAD": "/tmp/x.so"}})))
 

@@ -479,6 +479,7 @@ def _service_folder(
         ({"baseline_args": {"chat-template": "/x/t.j2"}}, {"max-num-seqs": 8}, "chat-template"),
         ({"env": {"VLLM_PLUGINS": "evil"}}, {"max-num-seqs": 8}, "VLLM_PLUGINS"),
         ({"python": "/x/python"}, {"max-num-seqs": 8}, "engine.python"),
+        ({"cpus": [0]}, {"max-num-seqs": 8}, "engine.cpus"),
     ],
 )
 def test_cli_export_of_a_service_folder_refuses_what_the_service_would(
