@@ -25,6 +25,7 @@ import io
 import json
 import re
 import shlex
+import subprocess
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -501,6 +502,30 @@ def test_the_layout_names_what_is_there() -> None:
         if not (REPO / p).exists() and not (p.endswith(".py") and (REPO / p[:-3]).is_dir())
     ]
     assert not missing, f"README's Layout names what the tree lacks: {missing}"
+
+
+def test_the_layout_names_every_room() -> None:
+    """Every folder of the project and every package and module of ``optimizer/``."""
+    named = set(layout_paths())
+    rooms = {
+        f"optimizer/{p.name}/" if p.is_dir() else f"optimizer/{p.name}"
+        for p in (REPO / "optimizer").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.name != "__init__.py")
+    }
+    unnamed = sorted((_project_folders() | rooms) - named)
+    assert not unnamed, f"README's Layout does not name: {unnamed}"
+
+
+def _project_folders() -> set[str]:
+    """The repository's top-level folders that git tracks (none where git cannot say)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {f"{line.split('/', 1)[0]}/" for line in out.splitlines() if "/" in line} - {".ci/"}
 
 
 def test_the_readme_and_the_results_stay_short() -> None:
