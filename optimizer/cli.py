@@ -711,7 +711,7 @@ def _stability_stage(plan: Any, ns: argparse.Namespace) -> None:
     ``export --require-stable`` is the gate)."""
     if not plan.job.stability.after_study:
         return
-    from optimizer.stability.command import check_study
+    from optimizer.stability_check.command import check_study
 
     console.print("[bold]Stability check[/] (the job's stability.after_study)")
     saved, study = cli_support.load_study_dir(Path(plan.out))
@@ -1005,7 +1005,7 @@ def build_parser() -> argparse.ArgumentParser:
     from optimizer.service.client import register as register_service
 
     register_service(sub)
-    from optimizer.stability.command import register as register_stability
+    from optimizer.stability_check.command import register as register_stability
 
     register_stability(sub)
     from optimizer.regress.command import register as register_regress

@@ -1,7 +1,7 @@
 """What several commands share: the consoles, opening a study folder, making a runner.
 
 ``cli.py`` wires arguments to the commands; the commands that live in their own rooms
-(``regress/command.py``, ``stability/command.py``) use this module, never ``cli.py``, so the
+(``regress/command.py``, ``stability_check/command.py``) use this module, never ``cli.py``, so the
 command line and its commands import no circle.
 """
 

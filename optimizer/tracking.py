@@ -891,12 +891,12 @@ class _Syncer:
 
     def sync_stability(self, *, force: bool = False) -> bool:
         """The study folder's stability check on the parent run: its metrics and tags
-        (:func:`~optimizer.stability.workflow.tracking_values`; the worse-than-baseline tag
+        (:func:`~optimizer.stability.stored.tracking_values`; the worse-than-baseline tag
         removed when the check is not worse), ``stability.json`` and the check's plots as
         artifacts under ``stability/`` (once per check, or when forced), and the checked
         trial's child run tagged ``stability`` = status. False when there is no check."""
         from optimizer.stability.plots import runs_folder
-        from optimizer.stability.workflow import STABILITY_FILE, read_stability, tracking_values
+        from optimizer.stability.stored import STABILITY_FILE, read_stability, tracking_values
 
         doc = read_stability(self.target.out)
         if doc is None or not doc.get("runs"):

@@ -206,7 +206,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 def _stability_gate(ns: argparse.Namespace, folder: Path, trial: int) -> int:
     """``--require-stable``: 6 and one line saying why and what to run when the trial's
     stability check does not let it ship; else 0 (and a hint when it has no check)."""
-    from optimizer.stability.workflow import require_stable, stability_hint
+    from optimizer.stability.stored import require_stable, stability_hint
 
     if ns.require_stable:
         why = require_stable(folder, trial)
@@ -225,7 +225,7 @@ def _with_stability_note(ctx: Any, folder: Path, trial: int) -> Any:
     """The export header with the study's stability check of this trial (issue 18), if any."""
     import dataclasses
 
-    from optimizer.stability.workflow import header_note
+    from optimizer.stability.stored import header_note
 
     return dataclasses.replace(ctx, notes=(*ctx.notes, *header_note(folder, trial)))
 

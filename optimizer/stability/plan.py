@@ -33,6 +33,7 @@ __all__ = [
     "build_plan",
     "drain_time_s",
     "long_input_tokens",
+    "plan_scales",
     "with_trace",
 ]
 
@@ -162,6 +163,27 @@ def long_input_tokens(max_model_len: int, output_tokens: int) -> int:
             f"with {output_tokens} output tokens"
         )
     return tokens
+
+
+def plan_scales(
+    capacity_scale: float | None, fraction: float, burst_factor: float
+) -> tuple[float, float]:
+    """(base, burst) rate scales: ``fraction`` and ``burst_factor`` of a measured capacity
+    scale; the trace's own rate and ``burst_factor`` times it for a fixed-load study (None).
+
+    Raises:
+        ConfigError: A capacity study whose configuration carried the trace at no scale.
+    """
+    if not (fraction > 0 and burst_factor > 0):
+        raise ConfigError(f"fraction and burst factor must be > 0, got {fraction}, {burst_factor}")
+    if capacity_scale is None:
+        return 1.0, burst_factor
+    if capacity_scale <= 0:
+        raise ConfigError(
+            "the chosen trial met the SLOs at no rate scale (capacity 0): nothing to run a "
+            "fraction of; choose a trial with capacity (--trial)"
+        )
+    return fraction * capacity_scale, burst_factor * capacity_scale
 
 
 def drain_time_s(

@@ -414,7 +414,7 @@ def plot_stability(folder: Path, doc: Mapping[str, Any] | None = None) -> list[P
         The files written ([] when there is no check, or no run has anything to draw).
     """
     if doc is None:
-        from optimizer.stability.workflow import read_stability
+        from optimizer.stability.stored import read_stability
 
         doc = read_stability(folder)
         if doc is None:

@@ -17,8 +17,8 @@ from optimizer.engine.process import EngineProcess, group_alive_pids
 from optimizer.stability.plan import PlanSettings, build_load, build_plan
 from optimizer.stability.plots import LATENCY_PNG, SERVER_PNG, plot_stability, read_series
 from optimizer.stability.run import Target, measure, run_on_new_server, write_outcome
+from optimizer.stability.stored import stability_doc
 from optimizer.stability.verdicts import compare, evaluate, windows
-from optimizer.stability.workflow import stability_doc
 from optimizer.types import EngineConfig, Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from tests.integration.conftest import TINY_ARGS

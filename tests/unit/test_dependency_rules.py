@@ -7,7 +7,15 @@
 - only ``optimizer/tracking.py`` imports MLflow;
 - no module of the tuner imports vLLM (it runs vLLM as a server, never in-process);
 - no import circle among the modules of ``optimizer/``, ``objectives/`` and ``search_spaces/``:
-  a module imports what lies below it, and a room's shared records lie at the bottom.
+  a module imports what lies below it, and a room's shared records lie at the bottom;
+- no import runs back up a floor: a room (a package of ``optimizer/`` with all its modules, a
+  module at the top of ``optimizer/``, ``objectives``, ``search_spaces``) lies on one floor, so
+  there is no circle among rooms either. A package whose ``__init__`` says that each of its
+  modules is a room of its own (``service/``, ``engine/``) is not one room; the one import
+  known to run back up is listed, with its reason, and the test fails once it is gone. So
+  ``stability/`` (plan, options, verdicts, a run on one server: below ``config.py``, which
+  builds its options) and ``stability_check/`` (the check of a study folder and its command:
+  above ``study.py``) are two rooms on two floors.
 
 Imports inside functions count: a lazy import is still a dependency; so do imports made for the
 type checker alone (``if TYPE_CHECKING:``), and importing ``a.b.c`` depends on the packages
@@ -109,6 +117,51 @@ def _under(name: str, root: str) -> bool:
 
 MODULES = dict(_modules())
 
+#: Packages each module of which is a room of its own (their ``__init__`` imports nothing and
+#: says so): ``service/security.py`` lies below ``export/`` and ``tracking.py``, the service's
+#: facade above the study.
+ROOM_FOLDERS = ("optimizer.service", "optimizer.engine")
+
+#: The imports known to run back up a floor, (importer, imported) with the reason. The progress
+#: record of a trial (``trial_io.py``) names a capacity step for the type checker only, while
+#: ``capacity/measure.py`` writes its steps through that record.
+BACK_UP = {
+    ("optimizer.trial_io", "optimizer.capacity"): "StepOutcome, for the type checker only",
+    ("optimizer.trial_io", "optimizer.capacity.search"): "StepOutcome, for the type checker only",
+}
+
+
+def _room(name: str) -> str:
+    """The room a module is in: its package under ``optimizer`` (unless that package is a
+    folder of rooms), the module itself at the top of ``optimizer``, else its top package."""
+    parts = name.split(".")
+    if parts[0] != "optimizer" or len(parts) == 1:
+        return parts[0]
+    package = ".".join(parts[:2])
+    return name if package in ROOM_FOLDERS else package
+
+
+def _room_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """Rooms and the rooms they import (a room's imports of itself left out), from a graph of
+    modules; the imports of :data:`BACK_UP` left out."""
+    rooms: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        out = rooms.setdefault(_room(name), set())
+        out.update(_room(i) for i in imported if (name, i) not in BACK_UP)
+    return {room: out - {room} for room, out in rooms.items()}
+
+
+def _reaches(graph: Mapping[str, set[str]], start: str) -> set[str]:
+    """What ``start`` imports, directly or not."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
 
 @pytest.mark.parametrize(
     "room", ["objectives", "search_spaces", "optimizer.workload"], ids=lambda r: r
@@ -139,20 +192,74 @@ def test_one_module_owns_each_heavy_dependency(library: str, owners: set[str]) -
     assert importers == owners
 
 
+def _module_graph() -> dict[str, set[str]]:
+    return {name: _project_imports(name, path) for name, path in MODULES.items()}
+
+
 def test_no_import_circles() -> None:
-    graph = {name: _project_imports(name, path) for name, path in MODULES.items()}
-    assert _circles(graph) == []
+    assert _circles(_module_graph()) == []
+
+
+def test_no_import_runs_back_up_a_floor() -> None:
+    """No circle among rooms: a package is on one floor, not below a room that imports it
+    from above."""
+    assert _circles(_room_graph(_module_graph())) == []
+
+
+def test_the_imports_known_to_run_back_up_are_still_there() -> None:
+    graph = _module_graph()
+    assert {(a, b) for a, b in BACK_UP if b not in graph.get(a, set())} == set()
+
+
+@pytest.mark.parametrize(
+    ("upper", "lower"),
+    [
+        ("optimizer.config", "optimizer.stability"),
+        ("optimizer.study", "optimizer.config"),
+        ("optimizer.stability_check", "optimizer.study"),
+        ("optimizer.cli", "optimizer.stability_check"),
+    ],
+    ids=lambda r: r.removeprefix("optimizer."),
+)
+def test_the_stability_rooms_lie_below_config_and_above_study(upper: str, lower: str) -> None:
+    """The job file builds the stability options (``stability/`` below ``config.py``); the
+    check of a study folder prepares the study (``stability_check/`` above ``study.py``)."""
+    rooms = _room_graph(_module_graph())
+    assert lower in _reaches(rooms, upper)
+    assert upper not in _reaches(rooms, lower)
 
 
 def test_the_circle_check_finds_a_circle_through_a_lazy_import_and_a_package() -> None:
     """The checker itself, on a made-up graph and on how it reads the project's imports."""
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
-    # cli.py's lazy ``from optimizer.stability.command import ...`` (inside a function) counts,
-    # and depends on the package optimizer.stability too; a module's own packages do not count.
+    # cli.py's lazy ``from optimizer.stability_check.command import ...`` (inside a function)
+    # counts, and depends on the package optimizer.stability_check too; a module's own packages
+    # do not count.
     seen = _project_imports("optimizer.cli", MODULES["optimizer.cli"])
-    assert {"optimizer.stability", "optimizer.stability.command"} <= seen
+    assert {"optimizer.stability_check", "optimizer.stability_check.command"} <= seen
     assert "optimizer" not in seen and "optimizer.cli" not in seen
+
+
+def test_the_floor_check_finds_a_package_used_from_below_and_above() -> None:
+    """The checker itself: a package one module of which a lower room imports, while another
+    imports that room's importer, is a circle of rooms (the stability package before it was
+    parted: ``config.py`` imported its options, its workflow imported ``study.py``)."""
+    graph = {
+        "optimizer.config": {"optimizer.stability.options"},
+        "optimizer.study": {"optimizer.config"},
+        "optimizer.stability.options": set(),
+        "optimizer.stability.workflow": {"optimizer.study"},
+        "optimizer.service.security": set(),
+        "optimizer.service.facade": {"optimizer.study"},
+        "optimizer.export.workflow": {"optimizer.service.security", "optimizer.study"},
+    }
+    assert _circles(graph) == []
+    assert _circles(_room_graph(graph)) == [
+        ["optimizer.config", "optimizer.stability", "optimizer.study"]
+    ]
+    assert _room("optimizer.service.facade") == "optimizer.service.facade"  # a folder of rooms
+    assert _room("optimizer.cli") == "optimizer.cli" and _room("objectives.slo") == "objectives"
 
 
 def test_the_rules_see_the_imports_they_judge() -> None:

@@ -12,9 +12,9 @@ from optimizer.stability.plan import (
     build_plan,
     drain_time_s,
     long_input_tokens,
+    plan_scales,
     with_trace,
 )
-from optimizer.stability.workflow import plan_scales
 from optimizer.types import Trace, TraceRequest
 
 

@@ -23,7 +23,7 @@ from optimizer.stability.plots import (
     rolling_latency,
 )
 from optimizer.stability.run import Target, write_outcome
-from optimizer.stability.workflow import STABILITY_FILE, stability_doc
+from optimizer.stability.stored import STABILITY_FILE, stability_doc
 from optimizer.types import RequestRecord, Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from tests.fakes.stability import FakeServer, fake_outcome

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from optimizer.analysis.documents import headline_md, stability_section
-from optimizer.stability.workflow import tracking_values
+from optimizer.stability.stored import tracking_values
 from tests.unit.stability.test_plots import _fake_check
 
 

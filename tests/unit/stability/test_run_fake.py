@@ -17,11 +17,11 @@ from rich.console import Console
 from objectives import parse_slo
 from optimizer.export.command import _with_stability_note
 from optimizer.export.render import ExportContext
-from optimizer.stability.command import verdict_table
 from optimizer.stability.plan import PlanSettings, build_load, build_plan
 from optimizer.stability.run import RunOutcome, Target, measure, progress_lines, write_outcome
+from optimizer.stability.stored import STABILITY_FILE, header_note, stability_doc
 from optimizer.stability.verdicts import Verdict
-from optimizer.stability.workflow import STABILITY_FILE, header_note, stability_doc
+from optimizer.stability_check.command import verdict_table
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
 from optimizer.workload.replay import ReplayProgress

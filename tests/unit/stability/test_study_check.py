@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from optimizer import cli, cli_support, study
 from optimizer.config import load_job
-from optimizer.stability import workflow
 from optimizer.stability.plots import LATENCY_PNG, SERVER_PNG
+from optimizer.stability_check import workflow
 from optimizer.tracking import local_tracking_uri
 from tests.fakes.stability import FakeServer, fake_run_on_new_server
 from tests.unit.test_tracking import FakeRunner, _job, _runs

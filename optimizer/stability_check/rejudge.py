@@ -76,7 +76,8 @@ def rejudge(folder: Path, saved: Mapping[str, Any], doc: dict[str, Any]) -> dict
     """
     from optimizer.stability.plots import runs_folder
     from optimizer.stability.run import finite
-    from optimizer.stability.workflow import STABILITY_FILE, prepare_plan
+    from optimizer.stability.stored import STABILITY_FILE
+    from optimizer.stability_check.workflow import prepare_plan
 
     study_plan = prepare_plan(folder, saved)
     plan = plan_from_doc(doc.get("plan") or {})

@@ -1,12 +1,10 @@
-"""The stability check of a study folder: the configuration export would ship and the baseline,
-each on a server of its own, one after the other, under the same plan; verdicts compared; the
-result in the study folder as ``stability.json`` (runs' files under ``stability/``).
+"""A stability check as the study folder stores it: the ``stability.json`` document a check
+writes (:func:`stability_doc`), its reading, and what ``export`` and MLflow read of it (the
+export header's note, ``--require-stable``'s refusal, the parent run's metrics and tags).
 
-The plan's rate: for a capacity study, ``fraction`` of the chosen configuration's measured
-capacity (its highest passing rate scale), the burst ``burst_factor`` times that capacity; for a
-fixed-load study, the trace's own rate, the burst ``burst_factor`` times it. The baseline gets
-the very same load, so a verdict it passes and the chosen configuration fails is a regression
-the tuning would have shipped: such verdicts are flagged (``worse_than_baseline``).
+Reads and builds documents only: nothing here runs a server or prepares a study, so ``export``
+and :mod:`optimizer.tracking` read a check without the workflow that made it
+(:mod:`optimizer.stability_check.workflow`).
 """
 
 from __future__ import annotations
@@ -14,170 +12,27 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import optuna
-
-from objectives import parse_slo
-from optimizer.errors import ConfigError
-from optimizer.stability.options import StabilityOptions, stability_options
-from optimizer.stability.plan import (
-    StabilityPlan,
-    build_load,
-    build_plan,
-    drain_time_s,
-    with_trace,
-)
-from optimizer.stability.run import RunOutcome, Target, run_on_new_server
+from optimizer.stability.plan import StabilityPlan
 from optimizer.stability.verdicts import compare
-from optimizer.workload.prompts import TokenRange
+
+if TYPE_CHECKING:
+    from optimizer.stability.run import RunOutcome
 
 __all__ = [
     "STABILITY_FILE",
-    "StabilityOptions",
     "header_note",
-    "plan_scales",
-    "prepare_plan",
     "read_stability",
     "require_stable",
-    "run_study_stability",
+    "stability_doc",
     "stability_hint",
-    "stability_options",
     "tracking_values",
 ]
 
 STABILITY_FILE = "stability.json"
-
-
-def plan_scales(
-    capacity_scale: float | None, fraction: float, burst_factor: float
-) -> tuple[float, float]:
-    """(base, burst) rate scales: ``fraction`` and ``burst_factor`` of a measured capacity
-    scale; the trace's own rate and ``burst_factor`` times it for a fixed-load study (None).
-
-    Raises:
-        ConfigError: A capacity study whose configuration carried the trace at no scale.
-    """
-    if not (fraction > 0 and burst_factor > 0):
-        raise ConfigError(f"fraction and burst factor must be > 0, got {fraction}, {burst_factor}")
-    if capacity_scale is None:
-        return 1.0, burst_factor
-    if capacity_scale <= 0:
-        raise ConfigError(
-            "the chosen trial met the SLOs at no rate scale (capacity 0): nothing to run a "
-            "fraction of; choose a trial with capacity (--trial)"
-        )
-    return fraction * capacity_scale, burst_factor * capacity_scale
-
-
-def _max_model_len(job: Any, args: Mapping[str, Any], model_max: int | None) -> int:
-    shaped = job.trace.shaping.max_model_len
-    for value in (shaped, args.get("max-model-len"), model_max):
-        if value:
-            return int(value)
-    raise ConfigError("no max-model-len known for the long inputs: set trace.shaping.max_model_len")
-
-
-def prepare_plan(folder: Path, saved: Mapping[str, Any]) -> Any:
-    """The study's plan, prepared again here, its output folder the study folder now."""
-    from optimizer.config import load_job
-    from optimizer.study import prepare
-
-    job = dict(saved.get("job") or {})
-    job["out"] = "."  # folders of older versions recorded the folder where they were written
-    job_config, base = load_job(job, base=folder)
-    return prepare(job_config, base)
-
-
-def _target(plan: Any, options: StabilityOptions) -> Target:
-    """What the load is sent with: the study's model, prompt ids, SLOs and send-lag bound."""
-    return Target(
-        model=plan.engine.model,
-        vocab=TokenRange(*plan.token_range),
-        seed=options.seed,
-        slos=tuple(parse_slo(str(s)) for s in plan.objectives.slos),
-        max_send_lag_ms=plan.job.trace.max_send_lag_ms,
-    )
-
-
-def run_study_stability(
-    folder: Path,
-    saved: Mapping[str, Any],
-    study: optuna.Study,
-    options: StabilityOptions,
-    *,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Run the stability plan on the chosen configuration and the baseline; write and return
-    the ``stability.json`` document.
-
-    Raises:
-        ConfigError: No trial to choose, no capacity to take a fraction of.
-    """
-    from optimizer.engine.models import model_info
-    from optimizer.export import choose
-
-    say = progress or (lambda _: None)
-    choice = choose(study, None, trial_number=options.trial)
-    plan = prepare_plan(folder, saved)
-    cap = choice.chosen.capacity
-    base_scale, burst_scale = plan_scales(
-        cap.scale if cap is not None else None, options.fraction, options.burst_factor
-    )
-    settings = options.settings
-    drain = None
-    if cap is not None:
-        drain = drain_time_s(settings.burst_s, burst_scale, base_scale, cap.scale)
-    if options.auto_recovery and drain is not None:
-        settings = replace(settings, recovery_s=max(settings.recovery_s, math.ceil(1.5 * drain)))
-    model_max = None
-    if Path(plan.engine.model).is_dir():
-        model_max = model_info(plan.engine.model).max_position_embeddings
-    stab = build_plan(
-        settings,
-        base_scale=base_scale,
-        burst_scale=burst_scale,
-        max_model_len=_max_model_len(plan.job, choice.chosen.engine_args, model_max),
-    )
-    stab = with_trace(stab, plan.trace)
-    load = build_load(plan.trace, stab)
-    say(
-        f"plan: {len(load.trace)} requests over {stab.duration_s:g} s, rate x{base_scale:.3g} "
-        f"(burst x{burst_scale:.3g}), long inputs of {stab.long_input_tokens} tokens"
-        + (f"; the burst's backlog drains in about {drain:.0f} s at capacity" if drain else "")
-    )
-    target = _target(plan, options)
-    runs_dir = folder / "stability" / time.strftime("%Y%m%d-%H%M%S")
-    configs = [("chosen", choice.chosen.number, choice.chosen.engine_args)]
-    if options.baseline and choice.baseline is not None:
-        configs.append(("baseline", choice.baseline.number, choice.baseline.engine_args))
-    outcomes = []
-    for label, number, args in configs:
-        say(f"{label} (trial {number}): starting its server")
-        spec = plan.trial_spec(number, args, workdir=runs_dir / label, seed=options.seed)
-        outcome = run_on_new_server(
-            spec.engine,
-            load,
-            stab,
-            target,
-            label=label,
-            workdir=runs_dir / label,
-            python=spec.python,
-            startup_timeout_s=spec.startup_timeout_s,
-            warmup_trace=plan.trace,
-            progress=say,
-        )
-        say(f"{label}: {outcome.status}" + (f" ({outcome.failure})" if outcome.failure else ""))
-        outcomes.append(outcome)
-    doc = stability_doc(choice.chosen.number, stab, outcomes, folder=folder, runs_dir=runs_dir)
-    doc["baseline_trial"] = choice.baseline.number if choice.baseline is not None else None
-    doc["policy"] = choice.policy
-    doc["slos"] = [str(s) for s in target.slos]
-    (folder / STABILITY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-    return doc
 
 
 def stability_doc(

@@ -71,7 +71,7 @@ def cmd_stability(ns: argparse.Namespace) -> int:
     from optimizer.cli_support import load_study_dir
     from optimizer.errors import ConfigError
     from optimizer.stability.options import stability_options
-    from optimizer.stability.workflow import read_stability
+    from optimizer.stability.stored import read_stability
 
     folder = Path(ns.dir)
     saved, study = load_study_dir(folder)
@@ -83,7 +83,7 @@ def cmd_stability(ns: argparse.Namespace) -> int:
                 f"{folder}: no stability.json to plot; run `vllm-autotune stability {folder}`"
             )
         if ns.rejudge:
-            from optimizer.stability.rejudge import rejudge
+            from optimizer.stability_check.rejudge import rejudge
 
             doc = rejudge(folder, saved, doc)
         return report_check(folder, saved, doc, mlflow=mlflow)
@@ -107,7 +107,7 @@ def check_study(
     """Run the check (the ``stability`` command, and ``tune``'s stage when the job asks for
     it), then :func:`report_check`."""
     from optimizer.cli_support import console
-    from optimizer.stability.workflow import run_study_stability
+    from optimizer.stability_check.workflow import run_study_stability
 
     doc = run_study_stability(
         folder, saved, study, options, progress=lambda line: console.print(f"[dim]{line}[/]")
