@@ -190,6 +190,7 @@ class StudyPlan:
             startup_timeout_s=job.engine.startup_timeout_s,
             python=job.engine.python,
             max_send_lag_ms=job.trace.max_send_lag_ms,
+            client_priority=job.trace.client_priority,
             capacity=capacity,
             preload_next=(
                 job.engine.preload if job.engine.preload is not None else not self.context.cpu_build

@@ -14,7 +14,6 @@ replayer's own P99, which judges whether the schedule was kept, is quoted in its
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -28,7 +27,12 @@ from typing import Any, Protocol, TypeVar
 from objectives import parse_slo, summarize
 from optimizer.capacity.measure import EARLY_STOP_PREFIX, early_stop_check, measured_records
 from optimizer.capacity.trial import CapacityOutcome, run_capacity
-from optimizer.engine.cpus import client_pinned
+from optimizer.engine.cpus import (
+    client_pinned,
+    die_with_parent,
+    lower_client_priority,
+    raise_client_priority,
+)
 from optimizer.engine.defaults import memory_param_problem
 from optimizer.engine.process import EngineProcess
 from optimizer.errors import EngineError
@@ -76,11 +80,8 @@ def boost_priority(niceness: int = -10) -> bool:
     generators run on machines of their own. Raising priority needs CAP_SYS_NICE (root);
     without it nothing changes and send lag is still measured and judged.
     """
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    except OSError:
-        return False
-    return True
+    del niceness  # the one niceness of raise_client_priority's "nice"
+    return raise_client_priority("nice") != "normal"
 
 
 def _replay(
@@ -90,7 +91,7 @@ def _replay(
     boost: bool = False,
 ) -> ReplayResult:
     if boost:
-        boost_priority()
+        raise_client_priority(spec.client_priority)
     slos = [parse_slo(s) for s in spec.slos]
     return run_replay(
         spec.trace,
@@ -412,14 +413,25 @@ def _in_client_here(
         ) as pool:
             # Only the progress file crosses over (TrialProgress pickles without its forward).
             reporter = progress if isinstance(progress, TrialProgress) else None
-            return pool.submit(fn, spec, url, reporter, True).result()
+            return pool.submit(_isolated, fn, spec, url, reporter, os.getpid()).result()
     # Boost only now: the server, started above, keeps its normal priority.
     before = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         return fn(spec, url, progress, True)
     finally:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, before)
+        lower_client_priority(before)
+
+
+def _isolated(
+    fn: Callable[..., _T],
+    spec: TrialSpec,
+    url: str,
+    progress: Callable[[ReplayProgress], None] | None,
+    parent: int,
+) -> _T:
+    """The client in its own process: it ends with its trial's process, even a killed one."""
+    die_with_parent(parent)
+    return fn(spec, url, progress, True)
 
 
 def _scrape(engine: Engine) -> dict[str, float]:

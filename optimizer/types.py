@@ -266,6 +266,8 @@ class TrialSpec:
         startup_timeout_s: Engine startup limit.
         python: Interpreter with vLLM (None: the current one).
         max_send_lag_ms: Bound on the client's P99 send lag for a valid replay.
+        client_priority: The client's priority over the server (``realtime``, ``nice`` or
+            ``normal``: :func:`optimizer.engine.cpus.raise_client_priority`).
         capacity: Search this configuration's capacity at the SLOs (a
             :class:`CapacitySettings`) instead of one fixed-load replay.
         preload_next: Once this trial's server is healthy, its runner may prepare the next
@@ -288,6 +290,7 @@ class TrialSpec:
     startup_timeout_s: float = 900.0
     python: str | None = None
     max_send_lag_ms: float = 10.0
+    client_priority: str = "nice"
     capacity: CapacitySettings | None = None
     preload_next: bool = False
     kv_cache_tokens: int | None = None

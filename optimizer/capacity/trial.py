@@ -29,9 +29,7 @@ When no scale passed, the summary is that of the lowest scale tried and the capa
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +51,7 @@ from optimizer.capacity.search import (
     StepOutcome,
     search_capacity,
 )
+from optimizer.engine.cpus import raise_client_priority
 from optimizer.engine.logs import parse_prometheus
 from optimizer.types import RequestRecord, Trace, TrialSpec
 from optimizer.workload.prompts import TokenRange
@@ -130,8 +129,7 @@ def run_capacity(
     settings = spec.capacity
     assert settings is not None, "run_capacity needs spec.capacity"
     if boost:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, -10)
+        raise_client_priority(spec.client_priority)
     slos = [parse_slo(s) for s in spec.slos]
     workdir = Path(spec.workdir)
     runner = StepRunner(

@@ -1,5 +1,6 @@
-"""Cores apart: the server under test on its cores, the replay client on the others (Linux).
+"""The replay client's share of the CPU: cores apart, priority first, gone with its tuner.
 
+**Cores apart** (Linux).
 On a CPU host the server saturates every core it may use; a replay client that shares them
 misses its schedule (send lag over ``trace.max_send_lag_ms``: the replay is retried, never
 scored), and the busiest configurations cannot be measured at all. ``engine.cpus`` names the
@@ -8,24 +9,42 @@ server and every process it starts inherit the mask; the client side of a trial 
 tuner's other cores (:func:`client_pinned`).
 
 The cores travel to the guard in :data:`SERVER_CPUS_ENV` (the server's environment), so a
-trial's ``EngineConfig`` carries them wherever it runs. Standard library only: the guard
-imports this module.
+trial's ``EngineConfig`` carries them wherever it runs.
+
+**Priority** (``trace.client_priority``, :func:`raise_client_priority`): where client and server
+share cores, the client's event loop must run the moment a send is due or a chunk arrives.
+``nice`` (-10) is not enough against a saturating CPU server: on a 2-core AVX-512 Xeon (Linux
+6.18) a client at nice -10 beside vLLM's worker, engine core and API server missed its
+schedule by 600 ms at x1 and slowed the chunk times it measures; ``realtime`` (SCHED_FIFO, reset
+on fork so nothing it starts inherits it) kept it on schedule. Each needs root or CAP_SYS_NICE;
+without it the client runs as it is, and its send lag is still measured and judged.
+
+**Gone with its tuner** (:func:`die_with_parent`): a client process of its own ends when the
+process that started it does, even by SIGKILL.
+
+Standard library only: the guard imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 from collections.abc import Iterable, Iterator, Mapping
 
 __all__ = [
+    "CLIENT_PRIORITIES",
     "OMP_BIND_ENV",
     "SERVER_CPUS_ENV",
     "client_pinned",
     "cpus_problem",
+    "die_with_parent",
     "format_cpus",
+    "lower_client_priority",
     "parse_cpus",
     "pin_self",
+    "raise_client_priority",
     "server_cpus_env",
 ]
 
@@ -134,3 +153,60 @@ def client_pinned(server_env: Mapping[str, str]) -> Iterator[set[int] | None]:
     finally:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, before)
+
+
+#: ``trace.client_priority``'s choices, strongest first.
+CLIENT_PRIORITIES = ("realtime", "nice", "normal")
+_RT_PRIORITY = 10  # above every SCHED_OTHER task; far below the kernel's own threads
+_NICENESS = -10
+
+
+def raise_client_priority(mode: str = "nice") -> str:
+    """Give this thread (the client's event loop) priority over the server under test.
+
+    Args:
+        mode: ``realtime`` (SCHED_FIFO, falling back to nice), ``nice`` (-10) or ``normal``.
+
+    Returns:
+        What the OS granted: ``realtime``, ``nice`` or ``normal``.
+    """
+    if mode not in CLIENT_PRIORITIES:
+        raise ValueError(f"client priority {mode!r}: choose one of {', '.join(CLIENT_PRIORITIES)}")
+    if mode == "realtime" and hasattr(os, "sched_setscheduler"):
+        try:
+            policy = os.SCHED_FIFO | getattr(os, "SCHED_RESET_ON_FORK", 0)
+            os.sched_setscheduler(0, policy, os.sched_param(_RT_PRIORITY))
+            return "realtime"
+        except OSError:
+            pass
+    if mode in ("realtime", "nice"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, _NICENESS)
+            return "nice"
+        except OSError:
+            pass
+    return "normal"
+
+
+def lower_client_priority(niceness: int = 0) -> None:
+    """Undo :func:`raise_client_priority` on this thread (a client that ran in place)."""
+    if hasattr(os, "sched_setscheduler"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+
+
+def die_with_parent(parent: int) -> bool:
+    """Have the kernel end this process when ``parent`` (its starter) ends (Linux); True if set.
+
+    Ends at once where ``parent`` is already gone.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent ended before the request took hold
+        os._exit(1)
+    return bool(ok)

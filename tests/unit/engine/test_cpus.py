@@ -154,3 +154,80 @@ def test_a_study_plans_every_server_on_the_jobs_cores(tmp_path: Path) -> None:
     job, base = load_job(doc, base=tmp_path)
     with pytest.raises(ConfigError, match="this machine has cores"):
         prepare(job, base, check_flags=False)
+
+
+# --- the client's priority, and a client process that ends with its trial's ----------------
+
+_SCHED = (
+    "import os, subprocess, sys\n"
+    "from optimizer.engine.cpus import raise_client_priority\n"
+    "got = raise_client_priority(sys.argv[1])\n"
+    "child = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'],"
+    " capture_output=True, text=True).stdout.strip()\n"
+    "print(got, os.sched_getscheduler(0) & 0xff, child, os.getpriority(os.PRIO_PROCESS, 0))\n"
+)
+
+
+def _priority_in_a_process(mode: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _SCHED, mode], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="real-time scheduling needs root here")
+def test_a_realtime_client_runs_first_and_nothing_it_starts_inherits_it() -> None:
+    got, policy, child, _nice = _priority_in_a_process("realtime")
+    assert got == "realtime"
+    assert int(policy) == os.SCHED_FIFO
+    assert int(child) == os.SCHED_OTHER  # reset on fork
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a negative niceness needs root here")
+def test_a_nice_client_is_niced_and_a_normal_one_is_left_alone() -> None:
+    got, policy, _child, nice = _priority_in_a_process("nice")
+    assert (got, int(policy), int(nice)) == ("nice", os.SCHED_OTHER, -10)
+    got, policy, _child, nice = _priority_in_a_process("normal")
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert (got, int(policy), int(nice)) == ("normal", os.SCHED_OTHER, mine)
+
+
+def test_an_unknown_priority_is_refused_by_the_job_and_the_function() -> None:
+    from optimizer.config import TraceSection
+    from optimizer.engine.cpus import raise_client_priority
+
+    with pytest.raises(ValueError, match="choose one of"):
+        raise_client_priority("fast")
+    with pytest.raises(ValidationError):
+        TraceSection(path="t.csv", client_priority="fast")
+    assert TraceSection(path="t.csv").client_priority == "nice"
+
+
+# A FAKE tuner: starts a client that asks to die with it, prints the client's pid, then waits.
+_PARENT = (
+    "import os, subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', "
+    "'import sys, time; from optimizer.engine.cpus import die_with_parent; "
+    'die_with_parent(int(sys.argv[1])); print("armed", flush=True); time.sleep(600)\', '
+    "str(os.getpid())], stdout=subprocess.PIPE, text=True)\n"
+    "assert child.stdout.readline().strip() == 'armed'\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_client_process_ends_when_its_tuner_is_killed() -> None:
+    import signal
+
+    import psutil
+
+    tuner = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    assert tuner.stdout is not None
+    client = int(tuner.stdout.readline())
+    assert psutil.pid_exists(client)
+    tuner.send_signal(signal.SIGKILL)
+    tuner.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(client) and psutil.Process(client).status() != "zombie":
+        assert time.monotonic() < deadline, "the client outlived its tuner"
+        time.sleep(0.05)
