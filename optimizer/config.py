@@ -86,11 +86,22 @@ class ModelSection(_Strict):
         make: A make-model preset: the folder is created when missing (weight-less, served with
             ``--load-format dummy``).
         max_model_len: With ``make``, lower the generated model's context length.
+        weights_seed: With ``make`` (a Llama preset): give the folder seeded weights at a
+            standard initialization scale instead of none, served by vLLM's normal loader.
+            Dummy weights give flat logits, on which the quality gate sees nothing; two seeds
+            are two different models.
     """
 
     path: PlainText
     make: PlainText | None = None
     max_model_len: int | None = Field(default=None, gt=0)
+    weights_seed: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _seed_needs_make(self) -> ModelSection:
+        if self.weights_seed is not None and not self.make:
+            raise ValueError("weights_seed makes a model's weights: it needs make (a preset)")
+        return self
 
 
 class SpeculationSection(_Strict):
@@ -210,6 +221,10 @@ class TraceSection(_Strict):
         warmup_requests: Leading requests excluded from the metrics.
         max_duration_s: Replay time limit per trial.
         max_send_lag_ms: A replay whose client P99 send lag exceeds this is retried, not scored.
+        client_priority: The replay client's priority over the server where they share cores:
+            ``nice`` (-10), ``realtime`` (SCHED_FIFO: on a saturated CPU host the only one that
+            keeps the schedule) or ``normal``; each needs root or CAP_SYS_NICE, else the client
+            runs as it is (:mod:`optimizer.engine.cpus`).
         token_range: ``[low, high)`` ids prompts may use (default: from the model folder).
     """
 
@@ -220,6 +235,7 @@ class TraceSection(_Strict):
     warmup_requests: int = Field(default=0, ge=0)
     max_duration_s: float | None = Field(default=None, gt=0)
     max_send_lag_ms: float = Field(default=10.0, gt=0)
+    client_priority: Literal["realtime", "nice", "normal"] = "nice"
     token_range: tuple[int, int] | None = None
 
 

@@ -293,12 +293,17 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         ConfigError: Anything wrong with the job, its trace, its space or its flags.
     """
     from optimizer.engine.flags import installed_vllm
-    from optimizer.engine.models import make_model, model_info
+    from optimizer.engine.models import make_model, model_info, needs_making
 
     out = job.output_dir(base)
     model = job.model.path
-    if job.model.make and not (Path(model) / "config.json").exists():
-        make_model(model, job.model.make, max_model_len=job.model.max_model_len)
+    if job.model.make and needs_making(model, job.model.weights_seed):
+        make_model(
+            model,
+            job.model.make,
+            max_model_len=job.model.max_model_len,
+            weights_seed=job.model.weights_seed,
+        )
 
     shaped, notes = _shaped_trace(job)
     space = _job_space(job)

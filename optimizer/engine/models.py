@@ -19,7 +19,17 @@ from typing import Any
 from optimizer.errors import ConfigError
 from optimizer.workload.prompts import BYTE_TOKENS, ModelInfo, model_info
 
-__all__ = ["PRESETS", "ModelInfo", "make_model", "model_info"]
+__all__ = [
+    "PRESETS",
+    "WEIGHTS_FILE",
+    "ModelInfo",
+    "make_model",
+    "model_info",
+    "write_seeded_weights",
+]
+
+#: The file of a made checkpoint's seeded weights (:func:`write_seeded_weights`).
+WEIGHTS_FILE = "model.safetensors"
 
 _LLAMA31_ROPE = {
     "factor": 8.0,
@@ -177,15 +187,113 @@ def _build_tokenizer(vocab_size: int, special: dict[int, str]) -> Any:
     return tok
 
 
+def _llama_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Llama checkpoint with ``config``'s sizes, as Hugging Face names it."""
+    h, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or h // heads)
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (int(config["vocab_size"]), h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * head_dim, h),
+                p + "self_attn.k_proj.weight": (kv * head_dim, h),
+                p + "self_attn.v_proj.weight": (kv * head_dim, h),
+                p + "self_attn.o_proj.weight": (h, heads * head_dim),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (int(config["vocab_size"]), h)
+    return shapes
+
+
+def write_seeded_weights(directory: str | Path, seed: int, std: float = 0.02) -> Path:
+    """Give a made Llama folder weights that say something: seeded normal(0, ``std``) matrices
+    (the architecture's standard initialization scale) and unit norms, in safetensors.
+
+    vLLM's dummy weights (uniform, +-1e-3) give flat logits: every token about ``-ln(vocab)``,
+    so nothing that changes numerics shows. Seeded weights at a standard scale give peaked,
+    reproducible distributions that an FP8 KV cache measurably moves, loaded by vLLM's normal
+    loader (no ``--load-format dummy``). Two seeds give two different models.
+
+    Returns:
+        The weights file.
+
+    Raises:
+        ConfigError: The folder is not a made Llama folder, or safetensors is not installed.
+    """
+    import numpy as np
+
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as exc:  # pragma: no cover - installed with vLLM and transformers
+        raise ConfigError(
+            "seeded weights need the safetensors package (pip install safetensors)"
+        ) from exc
+    folder = Path(directory)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ConfigError(
+            f"seeded weights are made for the Llama presets only, not {config.get('model_type')!r}"
+        )
+    rng = np.random.default_rng(seed)
+    tensors = {
+        name: (
+            np.ones(shape, dtype=np.float32)
+            if len(shape) == 1
+            else rng.normal(0.0, std, size=shape).astype(np.float32)
+        )
+        for name, shape in _llama_shapes(config).items()
+    }
+    out = folder / WEIGHTS_FILE
+    save_file(tensors, str(out), metadata={"format": "pt", "seed": str(seed), "std": str(std)})
+    return out
+
+
+def weights_seed_of(directory: str | Path) -> int | None:
+    """The seed of a made folder's weights (None: no seeded weights there)."""
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        seed = (f.metadata() or {}).get("seed")
+    return int(seed) if seed is not None and seed.isdigit() else None
+
+
+def needs_making(directory: str | Path, weights_seed: int | None) -> bool:
+    """True where a made folder is missing, or lacks the seeded weights the job asks for."""
+    folder = Path(directory)
+    if not (folder / "config.json").exists():
+        return True
+    return weights_seed is not None and weights_seed_of(folder) != weights_seed
+
+
 def make_model(
-    directory: str | Path, preset: str = "tiny", *, max_model_len: int | None = None
+    directory: str | Path,
+    preset: str = "tiny",
+    *,
+    max_model_len: int | None = None,
+    weights_seed: int | None = None,
 ) -> Path:
-    """Write a servable weight-less model folder for ``--load-format dummy``.
+    """Write a servable model folder: weight-less for ``--load-format dummy``, or with seeded
+    weights (:func:`write_seeded_weights`) where ``weights_seed`` is given.
 
     Args:
         directory: Folder to write (created if missing; existing files are overwritten).
         preset: One of :data:`PRESETS`.
         max_model_len: Optionally lower ``max_position_embeddings`` (useful for CPU demos).
+        weights_seed: Seed of the folder's weights (Llama presets); None: no weights.
 
     Returns:
         The folder.
@@ -250,4 +358,8 @@ def make_model(
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
     )
+    if weights_seed is not None:
+        write_seeded_weights(out, weights_seed)
+    else:
+        (out / WEIGHTS_FILE).unlink(missing_ok=True)  # a folder re-made without weights
     return out

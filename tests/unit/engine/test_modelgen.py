@@ -99,3 +99,40 @@ def test_the_8b_shapes_drafts_share_its_vocabulary_and_are_much_smaller(
     folder = make_model(tmp_path / draft, draft, max_model_len=8192)
     config = json.loads((folder / "config.json").read_text())
     assert config["num_hidden_layers"] == layers and config["max_position_embeddings"] == 8192
+
+
+def test_seeded_weights_give_a_checkpoint_of_the_shape_and_two_seeds_two_models(
+    tmp_path: Path,
+) -> None:
+    import json as _json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from optimizer.engine.models import WEIGHTS_FILE, make_model, needs_making, weights_seed_of
+
+    a = make_model(tmp_path / "a", "tiny", weights_seed=1)
+    config = _json.loads((a / "config.json").read_text())
+    tensors = load_file(str(a / WEIGHTS_FILE))
+    h, v = config["hidden_size"], config["vocab_size"]
+    assert tensors["model.embed_tokens.weight"].shape == (v, h)
+    assert len(tensors) == 2 + 9 * config["num_hidden_layers"]  # tied embeddings: no lm_head
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - 0.02) < 0.002 and np.all(tensors["model.norm.weight"] == 1.0)
+    assert weights_seed_of(a) == 1 and not needs_making(a, 1) and needs_making(a, 2)
+    b = make_model(tmp_path / "b", "tiny", weights_seed=2)
+    assert not np.array_equal(
+        q, load_file(str(b / WEIGHTS_FILE))["model.layers.0.self_attn.q_proj.weight"]
+    )
+    again = make_model(tmp_path / "a", "tiny")  # re-made weight-less: no stale weights left
+    assert not (again / WEIGHTS_FILE).exists() and weights_seed_of(again) is None
+
+
+def test_a_weights_seed_needs_a_preset_to_make() -> None:
+    from pydantic import ValidationError
+
+    from optimizer.config import ModelSection
+
+    with pytest.raises(ValidationError, match="needs make"):
+        ModelSection(path="m", weights_seed=1)
+    assert ModelSection(path="m", make="small", weights_seed=1).weights_seed == 1
