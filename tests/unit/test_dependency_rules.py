@@ -4,7 +4,7 @@
   from this project only each other's base (``optimizer.types``, ``optimizer.errors``) and
   their own room;
 - one module imports Ray (``optimizer/runners.py``);
-- only ``optimizer/tracking.py`` imports MLflow;
+- only ``optimizer/tracking/sync.py`` imports MLflow;
 - no module of the tuner imports vLLM (it runs vLLM as a server, never in-process);
 - no import circle among the modules of ``optimizer/``, ``objectives/`` and ``search_spaces/``:
   a module imports what lies below it, and a room's shared records lie at the bottom;
@@ -118,7 +118,7 @@ def _under(name: str, root: str) -> bool:
 MODULES = dict(_modules())
 
 #: Packages each module of which is a room of its own (their ``__init__`` imports nothing and
-#: says so): ``service/security.py`` lies below ``export/`` and ``tracking.py``, the service's
+#: says so): ``service/security.py`` lies below ``export/`` and ``tracking/``, the service's
 #: facade above the study.
 ROOM_FOLDERS = ("optimizer.service", "optimizer.engine")
 
@@ -183,7 +183,7 @@ def test_lower_rooms_import_nothing_above_them(room: str) -> None:
 
 @pytest.mark.parametrize(
     ("library", "owners"),
-    [("ray", {"optimizer.runners"}), ("mlflow", {"optimizer.tracking"}), ("vllm", set())],
+    [("ray", {"optimizer.runners"}), ("mlflow", {"optimizer.tracking.sync"}), ("vllm", set())],
 )
 def test_one_module_owns_each_heavy_dependency(library: str, owners: set[str]) -> None:
     importers = {

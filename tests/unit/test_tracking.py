@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 from optimizer import tracking
 from optimizer.config import load_job
 from optimizer.study import StudyDriver, is_baseline, prepare
+from optimizer.tracking.target import target_for_dir
 from optimizer.trial import write_records
 from optimizer.types import (
     FailureClass,
@@ -372,7 +373,7 @@ def test_a_copied_study_folder_logs_to_its_own_mlflow_store(tmp_path: Path) -> N
     assert str(tmp_path / "out") not in json.dumps(meta)
     copy = tmp_path / "elsewhere" / "copy"
     shutil.copytree(tmp_path / "out", copy)
-    target = tracking._target_for_dir(copy, None, None)
+    target = target_for_dir(copy, None, None)
     assert target.tracking_uri == tracking.local_tracking_uri(copy)
     assert target.storage_url == f"sqlite:///{(copy / 'study.db').resolve()}"
     assert target.artifact_root == (copy / "mlartifacts").resolve()

@@ -334,9 +334,10 @@ def test_racing_at_the_incumbent_tells_losers_cheaply_and_honestly(tmp_path: Pat
     # Its bounding step sat at 0.9 x the scale the race step's margin pointed to (1.3).
     assert "measured bracket 2.34-4.2" in texts[3]
     # MLflow: the trial's run carries the same words as a tag, its metrics the bracket.
-    from optimizer.tracking import TrackingTarget, _Syncer
+    from optimizer.tracking import TrackingTarget
+    from optimizer.tracking.sync import Syncer
 
-    syncer = _Syncer(
+    syncer = Syncer(
         TrackingTarget(
             study="cap",
             storage_url="sqlite:///unused.db",

@@ -1,45 +1,35 @@
-"""MLflow review of a study: one parent run per study, one nested child run per trial.
+"""The MLflow side of a study's review: its runs brought in line with its Optuna storage.
 
 The Optuna storage stays the source of truth; MLflow is a view of it, rebuilt idempotently.
-:class:`Tracker` receives the driver's :class:`~optimizer.study.StudyEvent` objects and hands
-them to a background thread, so a slow or unreachable tracking server never delays a trial:
-the thread reads the finished trials from the study's own storage, writes them to MLflow with
-bounded exponential backoff, and re-tags every child run whenever the Pareto front changes.
-:func:`sync_study` (``vllm-autotune mlflow-sync DIR``) runs the same code once over a study
-folder, finding existing runs by their tags (``vllm_autotune.study``, ``vllm_autotune.trial``)
-and updating them, so running it twice creates nothing new.
+:class:`Syncer` finds a study's runs by their tags (``vllm_autotune.study``,
+``vllm_autotune.trial``), creates what is missing, updates what is there and deletes duplicates,
+so running it twice creates nothing new. :func:`sync_study` (``vllm-autotune mlflow-sync DIR``)
+runs it once over a study folder; :func:`log_export` and :func:`log_stability` add an export and
+a stability check to the study's parent run; :class:`optimizer.tracking.live.Tracker` runs it
+from a background thread while a study runs.
 
 The parent run holds the job, the search space, the trace's statistics and shaping notes, a
 hypervolume-over-trials metric, the Pareto front (JSON, CSV, plots), parameter importances and
 a Markdown report (baseline vs front, gain per objective, what the winners changed, a diagnosis
 per trial class), and the study folder's stability check when there is one (its metrics, tags,
-``stability.json`` and plots: :func:`log_stability`); :mod:`optimizer.analysis` and
-:mod:`optimizer.stability` make every one of them, this module only logs.
+``stability.json`` and plots); :mod:`optimizer.analysis` and :mod:`optimizer.stability` make
+every one of them, this module only logs.
 Each child run holds the engine configuration (params), the whole summary,
 startup/replay times, the memory account and server metrics (metrics), the trial's state,
 failure class, baseline / Pareto / SLO tags, and its records, engine log and latency CDF.
 
-The default store is local: ``sqlite:///<out>/mlflow.db`` with artifacts in
-``<out>/mlartifacts``; ``mlflow.tracking_uri`` in the job points at a team's server instead.
-Runs are keyed by the study's name in its storage (a service study's is ``TEAM/ID``), and a
-service study's experiment is behind its team's prefix (``TEAM/NAME``: :func:`experiment_name`),
-so two teams' jobs of one name never share an experiment or a run.
 Uses :class:`mlflow.tracking.MlflowClient` with explicit run ids, never the fluent API
 (DESIGN.md §7.9). This is the only module that imports mlflow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
-import queue
 import re
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -47,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import yaml
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 from optuna.trial import FrozenTrial, TrialState
@@ -66,31 +55,30 @@ from optimizer.analysis.front import (
 )
 from optimizer.analysis.hypervolume import hypervolume_history
 from optimizer.analysis.plots import latency_cdf, plot_front
-from optimizer.errors import ConfigError
-from optimizer.study import StudyEvent, StudyPlan, create_storage
-from optimizer.study_folder import (
-    portable_path,
-    portable_url,
-    resolve_path,
-    resolve_url,
-    storage_url_of,
+from optimizer.study import create_storage
+from optimizer.tracking.target import (
+    REVIEW_DIR,
+    VIEW_TAG,
+    TrackingTarget,
+    adopt_copied_store,
+    read_json,
+    redact,
+    redact_job,
+    review_url,
+    target_for_dir,
 )
 from optimizer.trial_view import TrialView, metric_names
 from search_spaces.speculation import stated_acceptance
 
 __all__ = [
+    "ROLE_TAG",
+    "STUDY_TAG",
+    "TRIAL_TAG",
     "SyncSummary",
-    "Tracker",
-    "TrackingTarget",
-    "experiment_name",
-    "local_tracking_uri",
+    "Syncer",
     "log_export",
     "log_stability",
-    "review_url",
-    "runs_url",
     "sync_study",
-    "tracker_for_plan",
-    "ui_command",
 ]
 
 _log = logging.getLogger(__name__)
@@ -110,218 +98,10 @@ _RUN_NAME_TAG = "mlflow.runName"
 # the sidebar read the switch instead, which the ``workflowType`` URL parameter sets).
 _EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 _EXPERIMENT_KIND = "custom_model_development"
-# The runs table's columns: MLflow (3.15+) has no default-columns setting, but it opens a view
-# saved as an experiment tag when the URL names it (its "Views" menu lists it too).
-_VIEW_KEY = "vllm-autotune"
-_VIEW_TAG = f"mlflow.sharedViewState.{_VIEW_KEY}"
-_RUNS_VIEW_QUERY = f"workflowType=machine_learning&viewStateShareKey={_VIEW_KEY}"
 
-REVIEW_DIR = "review"
 _MAX_PARAM = 6000
 _MAX_TAG = 7900
 _BATCH = 200
-
-
-# --- where to log --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TrackingTarget:
-    """Which study goes to which MLflow experiment.
-
-    Attributes:
-        study: The study's name in its Optuna storage (a service study's is ``TEAM/ID``);
-            the parent run's name and every run's ``vllm_autotune.study`` tag.
-        storage_url: Optuna storage URL (the source of truth).
-        out: The study folder (trial folders, plan.json, review/).
-        tracking_uri: MLflow tracking URI.
-        experiment: MLflow experiment name.
-        sampler: Sampler name, logged as a param of every trial.
-        artifact_root: Where a newly created experiment keeps artifacts (local stores only).
-    """
-
-    study: str
-    storage_url: str
-    out: Path
-    tracking_uri: str
-    experiment: str
-    sampler: str = ""
-    artifact_root: Path | None = None
-
-
-def local_tracking_uri(out: Path) -> str:
-    """The embedded default store of a study folder: ``sqlite:///<out>/mlflow.db``."""
-    return f"sqlite:///{Path(out).resolve() / 'mlflow.db'}"
-
-
-def _relative(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def ui_command(target: TrackingTarget) -> str:
-    """The command that opens the MLflow UI on this target (or its URL for a server)."""
-    if target.tracking_uri.startswith(("http://", "https://")):
-        return target.tracking_uri
-    if target.tracking_uri.startswith("sqlite:///"):
-        db = Path(target.tracking_uri[len("sqlite:///") :])
-        root = target.artifact_root or db.parent / "mlartifacts"
-        return (
-            f"mlflow ui --backend-store-uri sqlite:///{_relative(db)} "
-            f"--default-artifact-root {_relative(root)}"
-        )
-    return f"mlflow ui --backend-store-uri {target.tracking_uri}"
-
-
-def runs_url(experiment_id: str, server: str = "http://127.0.0.1:5000") -> str:
-    """The MLflow UI's runs table of an experiment (not MLflow 3's GenAI traces pages).
-
-    Args:
-        experiment_id: The experiment.
-        server: Where ``mlflow ui`` (or the tracking server) serves the UI.
-    """
-    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?{_RUNS_VIEW_QUERY}"
-
-
-def review_url(target: TrackingTarget, experiment_id: str) -> str:
-    """Where a reviewer opens the study's runs table: the tracking server's UI, or the local
-    ``mlflow ui`` (:func:`ui_command`) at its default address."""
-    if target.tracking_uri.startswith(("http://", "https://")):
-        return runs_url(experiment_id, _redact(target.tracking_uri))
-    return runs_url(experiment_id)
-
-
-def _redact(text: str) -> str:
-    """A URL as a team may see it: its password and secret query values (``?password=``,
-    ``?token=``, ...) masked, by the service's one rule
-    (:func:`optimizer.service.security.redact_url`)."""
-    from optimizer.service.security import redact_url
-
-    return redact_url(text) or text
-
-
-def _redact_job(job: dict[str, Any]) -> dict[str, Any]:
-    """A job as a team may see it: its URLs as :func:`_redact` shows them, secret env values
-    masked (:func:`optimizer.service.security.redact_job`)."""
-    from optimizer.service.security import redact_job
-
-    return redact_job(job)
-
-
-def experiment_name(plan: StudyPlan, team: str | None = None) -> str:
-    """The MLflow experiment of a study: ``mlflow.experiment``, else the job's name; in the
-    service behind its team's prefix (``TEAM/NAME``), which the job cannot choose: a team
-    name holds no ``/``, so ``beta/alpha/x`` is beta's, never alpha's."""
-    name = plan.job.mlflow.experiment or plan.job.name
-    return f"{team}/{name}" if team else name
-
-
-def _target_from_plan(plan: StudyPlan, team: str | None = None) -> TrackingTarget:
-    job = plan.job
-    uri = job.mlflow.tracking_uri or local_tracking_uri(plan.out)
-    local = uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri
-    return TrackingTarget(
-        # The study as stored (a service study is TEAM/ID there), never the job's name: a
-        # study of that name in a shared storage may be anyone's.
-        study=plan.storage_name,
-        storage_url=plan.storage_url,
-        out=plan.out,
-        tracking_uri=uri,
-        experiment=experiment_name(plan, team),
-        sampler=job.sampler.name,
-        artifact_root=(plan.out / "mlartifacts").resolve() if local else None,
-    )
-
-
-def _write_review_inputs(plan: StudyPlan, target: TrackingTarget) -> None:
-    """Write what the parent run shows into ``<out>/review`` (so mlflow-sync can re-log it)."""
-    from optimizer.workload.stats import inspect_trace
-
-    folder = plan.out / REVIEW_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    job = plan.job.model_dump(mode="json")
-    # Server env may hold secrets (config.EngineSection): keep the names, never the values.
-    job["engine"]["env"] = {k: "***" for k in job["engine"].get("env", {})}
-    if job.get("storage"):
-        job["storage"] = _redact(job["storage"])
-    if job.get("mlflow", {}).get("tracking_uri"):
-        job["mlflow"]["tracking_uri"] = _redact(job["mlflow"]["tracking_uri"])
-    (folder / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-    (folder / "search_space.yaml").write_text(
-        yaml.safe_dump(plan.space.model_dump(mode="json", exclude_none=True), sort_keys=False)
-    )
-    trace = {"stats": inspect_trace(plan.trace), "notes": list(plan.trace_notes)}
-    (folder / "trace.json").write_text(json.dumps(trace, indent=2, default=str) + "\n")
-    meta = {
-        "study": target.study,
-        # Relative to the study folder where inside it: a copied folder stays self-contained.
-        "storage": portable_url(target.storage_url, plan.out),
-        "tracking_uri": portable_url(target.tracking_uri, plan.out),
-        "experiment": target.experiment,
-        "sampler": target.sampler,
-        "artifact_root": (
-            portable_path(target.artifact_root, plan.out) if target.artifact_root else None
-        ),
-        "model": plan.engine.model,
-        "search_space": plan.space.name,
-    }
-    (folder / "mlflow.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def _bound_http_retries() -> None:
-    """Keep MLflow's own HTTP retries short; the tracker's thread does the patient retrying.
-
-    MLflow reads these variables on every request, and by default retries for minutes; it also
-    prints a "View run at" line per finished run to stdout, into the tuner's progress output.
-    Values a user has set win.
-    """
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-
-
-def _adopt_copied_store(target: TrackingTarget) -> None:
-    """A study folder's own SQLite store, copied with the folder, still names the artifact
-    folder where it was written (MLflow keeps absolute locations per experiment and run): point
-    the study's experiment and its runs at the copy's artifact folder, so logging from the copy
-    never writes into the original folder. Only for ``sqlite:///<folder>/mlflow.db`` with the
-    folder's own artifact root; anything else is left as it is."""
-    import sqlite3
-    from urllib.parse import unquote, urlparse
-
-    db = Path(target.tracking_uri.removeprefix("sqlite:///"))
-    own = target.tracking_uri.startswith("sqlite:///") and (
-        db.resolve() == (target.out / "mlflow.db").resolve()
-    )
-    if not (own and db.is_file() and target.artifact_root is not None):
-        return
-    new = target.artifact_root.resolve().as_uri()
-    with contextlib.closing(sqlite3.connect(db)) as con, con:
-        row = con.execute(
-            "SELECT experiment_id, artifact_location FROM experiments WHERE name = ?",
-            (target.experiment,),
-        ).fetchone()
-        if row is None or not str(row[1] or "").startswith(("file:", "/")):
-            return
-        old = str(row[1]).rstrip("/")
-        path = Path(unquote(urlparse(old).path)) if old.startswith("file:") else Path(old)
-        if old == new or path.resolve().is_relative_to(target.out.resolve()):
-            return
-        con.execute(
-            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, row[0])
-        )
-        con.execute(
-            "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
-            "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
-            (new, len(old) + 1, row[0], len(old), old),
-        )
-    _log.info("MLflow: the copied store's artifacts now live in %s (were %s)", new, old)
-
-
-# --- the MLflow side -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -346,7 +126,7 @@ class SyncSummary:
         updated: Child runs that already existed (brought up to date).
         duplicates_deleted: Extra runs of the same trial (or study) deleted.
         front: Trial numbers of the feasible Pareto front.
-        runs_url: Where the runs table opens (:func:`review_url`).
+        runs_url: Where the runs table opens (:func:`~optimizer.tracking.target.review_url`).
     """
 
     experiment_id: str
@@ -422,7 +202,7 @@ def _tag_value(v: Any) -> str:
     return text[:_MAX_TAG]
 
 
-class _Syncer:
+class Syncer:
     """Brings one study's MLflow runs in line with its Optuna storage (idempotent)."""
 
     def __init__(self, target: TrackingTarget) -> None:
@@ -448,7 +228,7 @@ class _Syncer:
     def connect(self) -> None:
         if self.parent is not None:
             return
-        _adopt_copied_store(self.target)
+        adopt_copied_store(self.target)
         exp = self.client.get_experiment_by_name(self.target.experiment)
         if exp is None:
             root = self.target.artifact_root
@@ -664,7 +444,7 @@ class _Syncer:
         return tags
 
     def _trace_stats(self) -> dict[str, Any] | None:
-        trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
+        trace = read_json(self.target.out / REVIEW_DIR / "trace.json")
         stats = trace.get("stats")
         return stats if isinstance(stats, dict) else None
 
@@ -699,8 +479,8 @@ class _Syncer:
         self.connect()
         assert self.parent is not None
         folder = self.target.out / REVIEW_DIR
-        meta = _read_json(folder / "mlflow.json")
-        plan = _read_json(self.target.out / "plan.json")
+        meta = read_json(folder / "mlflow.json")
+        plan = read_json(self.target.out / "plan.json")
         params = {
             "sampler": self.target.sampler,
             "model": str(meta.get("model") or ""),
@@ -714,12 +494,12 @@ class _Syncer:
         self._log(
             self.parent,
             params={k: _param_value(v) for k, v in params.items() if v},
-            tags={"storage": _redact(self.target.storage_url)},
+            tags={"storage": redact(self.target.storage_url)},
         )
         assert self.experiment_id is not None
-        if _VIEW_TAG not in self.client.get_experiment(self.experiment_id).tags:  # edits stay
+        if VIEW_TAG not in self.client.get_experiment(self.experiment_id).tags:  # edits stay
             view = _review_view(plan.get("objectives", []))
-            self.client.set_experiment_tag(self.experiment_id, _VIEW_TAG, view)
+            self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view)
         if self.parent.tags.get(_INPUTS_TAG) == "uploaded":
             return
         inputs = [folder / n for n in ("job.yaml", "search_space.yaml", "trace.json")]
@@ -852,10 +632,10 @@ class _Syncer:
         assert self.parent is not None
         doc = front_doc(study)
         ranked = importances(study)
-        plan = _read_json(self.target.out / "plan.json")
-        trace = _read_json(self.target.out / REVIEW_DIR / "trace.json")
+        plan = read_json(self.target.out / "plan.json")
+        trace = read_json(self.target.out / REVIEW_DIR / "trace.json")
         hv = hypervolume_history(study.get_trials(deepcopy=False), list(study.directions))
-        stability = _read_json(self.target.out / "stability.json") or None
+        stability = read_json(self.target.out / "stability.json") or None
         report = report_md(study, doc, front, hv, ranked, plan, trace, stability=stability)
         gains = best_gains(doc)
         with tempfile.TemporaryDirectory() as tmp:
@@ -874,9 +654,9 @@ class _Syncer:
             if plan:
                 for key in ("storage",):
                     if isinstance(plan.get(key), str):
-                        plan[key] = _redact(plan[key])
+                        plan[key] = redact(plan[key])
                 if isinstance(plan.get("job"), dict):  # its storage and MLflow URI too
-                    plan["job"] = _redact_job(plan["job"])
+                    plan["job"] = redact_job(plan["job"])
                 (root / "plan.json").write_text(json.dumps(plan, indent=2, default=str) + "\n")
             self.client.log_artifacts(self.parent.run_id, str(root))
         headline = headline_md(doc, gains, stability=stability)
@@ -884,7 +664,7 @@ class _Syncer:
 
     def _stability_key(self) -> str:
         """Which stability check the study folder holds ("" for none)."""
-        doc = _read_json(self.target.out / "stability.json")
+        doc = read_json(self.target.out / "stability.json")
         if not doc:
             return ""
         return f"trial {doc.get('trial')} {doc.get('runs_dir')} {doc.get('written_at')}"
@@ -950,210 +730,6 @@ class _Syncer:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-# --- the live tracker ----------------------------------------------------------------------------
-
-
-_STOP = object()
-
-
-class Tracker:
-    """Logs a running study to MLflow from a background thread.
-
-    :meth:`on_event` only puts the event on a queue, so the driver never waits for MLflow. The
-    thread coalesces pending work (trials to log, front to refresh), retries failures with
-    exponential backoff up to ``max_backoff_s`` between attempts, and keeps what it could not
-    log; :meth:`close` waits a bounded time, after which ``vllm-autotune mlflow-sync`` logs the
-    rest from the Optuna storage.
-
-    Args:
-        target: Study and MLflow experiment.
-        base_backoff_s: First wait after a failure.
-        max_backoff_s: Longest wait between attempts.
-        close_timeout_s: How long :meth:`close` waits for the queue to drain.
-        give_up_after: Consecutive failures after which :meth:`close` stops waiting.
-    """
-
-    def __init__(
-        self,
-        target: TrackingTarget,
-        *,
-        base_backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
-        close_timeout_s: float = 60.0,
-        give_up_after: int = 3,
-    ) -> None:
-        _bound_http_retries()
-        self.target = target
-        self.base_backoff_s = base_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.close_timeout_s = close_timeout_s
-        self.give_up_after = give_up_after
-        self.failures = 0
-        self.last_error = ""
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._abandon = threading.Event()
-        self._closed = False
-        self._pending: set[int] = set()
-        self._lock = threading.Lock()
-        self._syncer: _Syncer | None = None
-        self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
-        self._thread.start()
-        self._queue.put(("inputs", None))
-
-    @property
-    def experiment_id(self) -> str | None:
-        """The MLflow experiment, once the thread has reached MLflow."""
-        syncer = self._syncer
-        return syncer.experiment_id if syncer is not None else None
-
-    @property
-    def pending(self) -> set[int]:
-        """Trial numbers not (yet) logged."""
-        with self._lock:
-            return set(self._pending)
-
-    def on_event(self, event: StudyEvent) -> None:
-        """Queue a driver event; never blocks, never raises."""
-        if event.kind in ("finished", "rejected", "stale"):
-            self._queue.put(("trial", event.number))
-
-    def finish(self, study: optuna.Study | None = None) -> bool:
-        """Queue the final refresh (parent marked finished), then :meth:`close`.
-
-        Returns:
-            True when everything was logged.
-        """
-        if not self._closed:
-            self._queue.put(("finish", None))
-        return self.close()
-
-    def close(self, timeout_s: float | None = None) -> bool:
-        """Drain the queue for at most ``timeout_s`` (default ``close_timeout_s``); idempotent.
-
-        Returns early when MLflow failed ``give_up_after`` times in a row. Whatever is left is
-        named in a warning with the command that logs it later.
-
-        Returns:
-            True when everything was logged.
-        """
-        if not self._closed:
-            self._closed = True
-            self._queue.put(_STOP)
-        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            if self.failures >= self.give_up_after:
-                break
-            self._thread.join(0.1)
-        left = self.pending
-        ok = not self._thread.is_alive() and not left and self.failures == 0
-        if self._thread.is_alive():
-            self._abandon.set()
-            self._thread.join(1.0)
-        if not ok:
-            _log.warning(
-                "MLflow: %s not fully logged (%s); the Optuna storage has everything: run "
-                "`vllm-autotune mlflow-sync %s`",
-                f"trials {sorted(left)}" if left else "the study",
-                self.last_error or "timed out",
-                _relative(self.target.out),
-            )
-        return ok
-
-    def _run(self) -> None:
-        inputs = finish = front = stopping = False
-        while not self._abandon.is_set():
-            busy = bool(inputs or finish or front or self._pending)
-            items: list[Any] = []
-            try:
-                items.append(self._queue.get(timeout=0.05 if busy else 0.5))
-                while True:
-                    items.append(self._queue.get_nowait())
-            except queue.Empty:
-                pass
-            for it in items:
-                if it is _STOP:
-                    stopping = True
-                elif it[0] == "trial":
-                    with self._lock:
-                        self._pending.add(int(it[1]))
-                    front = True
-                elif it[0] == "finish":
-                    finish = front = True
-                elif it[0] == "inputs":
-                    inputs = True
-            if not (inputs or finish or front or self._pending):
-                if stopping:
-                    return
-                continue
-            try:
-                syncer = self._syncer or _Syncer(self.target)
-                self._syncer = syncer
-                syncer.connect()
-                if inputs:
-                    syncer.sync_parent_inputs()
-                    inputs = False
-                if self._pending:
-                    study = syncer.study()
-                    trials = study.get_trials(deepcopy=False)
-                    current = front_numbers(study)
-                    for number in sorted(self.pending):
-                        if number < len(trials):
-                            syncer.sync_trial(trials[number], current)
-                        with self._lock:
-                            self._pending.discard(number)
-                if front or finish:
-                    syncer.sync_front(finished=finish)
-                    front = finish = False
-                self.failures = 0
-                self.last_error = ""
-            except Exception as exc:
-                # Start over from the tags next time: a call that failed may still have
-                # created a run, and a fresh search finds it instead of creating another.
-                self._syncer = None
-                self.failures += 1
-                self.last_error = f"{type(exc).__name__}: {str(exc)[:300]}"
-                if self.failures == 1 or self.failures % 10 == 0:
-                    _log.warning(
-                        "MLflow at %s: %s (attempt %d; trials keep running, retrying)",
-                        _redact(self.target.tracking_uri),
-                        self.last_error,
-                        self.failures,
-                    )
-                delay = min(self.base_backoff_s * 2 ** (self.failures - 1), self.max_backoff_s)
-                self._abandon.wait(delay)
-
-
-def tracker_for_plan(
-    plan: StudyPlan, *, enabled: bool = True, team: str | None = None, **options: Any
-) -> Tracker | None:
-    """A :class:`Tracker` for a prepared study, or None when MLflow is off for it.
-
-    Writes the review inputs (job, search space, trace statistics, MLflow target) to
-    ``<out>/review`` so ``mlflow-sync`` can rebuild the same view later. Contacts nothing.
-    Runs are keyed by the study's name in its storage (:attr:`StudyPlan.storage_name`).
-
-    Args:
-        plan: The prepared plan.
-        enabled: False turns tracking off (``--no-mlflow``).
-        team: The service's team whose study it is: its experiment is ``TEAM/NAME``
-            (:func:`experiment_name`). None: the experiment as the job names it (``tune``).
-        **options: Passed to :class:`Tracker` (backoff and close timeouts).
-    """
-    if not enabled or not plan.job.mlflow.enabled:
-        return None
-    target = _target_from_plan(plan, team)
-    _write_review_inputs(plan, target)
-    return Tracker(target, **options)
-
-
 def sync_study(
     study_dir: str | Path,
     *,
@@ -1177,42 +753,7 @@ def sync_study(
     Raises:
         ConfigError: Not a study folder.
     """
-    return _Syncer(_target_for_dir(study_dir, tracking_uri, experiment)).sync_all()
-
-
-def _target_for_dir(
-    study_dir: str | Path, tracking_uri: str | None, experiment: str | None
-) -> TrackingTarget:
-    _bound_http_retries()
-    folder = Path(study_dir).resolve()
-    plan = _read_json(folder / "plan.json")
-    if not plan.get("study") or not plan.get("storage"):
-        raise ConfigError(f"{folder}: no plan.json here; give a study folder written by `tune`")
-    meta = _read_json(folder / REVIEW_DIR / "mlflow.json")
-    job = plan.get("job")
-    old_out = job.get("out") if isinstance(job, dict) else None
-    old_out = old_out if isinstance(old_out, str) else None
-    recorded_uri = meta.get("tracking_uri")
-    uri = tracking_uri or (
-        resolve_url(str(recorded_uri), folder, old_out)
-        if recorded_uri
-        else local_tracking_uri(folder)
-    )
-    local = "://" not in uri or uri.startswith(("sqlite:", "file:"))
-    root = meta.get("artifact_root")
-    root = resolve_path(str(root), folder, old_out) if root else None
-    target = TrackingTarget(
-        study=str(plan["study"]),
-        storage_url=storage_url_of(plan, folder),
-        out=folder,
-        tracking_uri=uri,
-        experiment=experiment or meta.get("experiment") or str(plan["study"]),
-        sampler=str(meta.get("sampler") or ""),
-        artifact_root=(root if root and not tracking_uri else folder / "mlartifacts")
-        if local
-        else None,
-    )
-    return target
+    return Syncer(target_for_dir(study_dir, tracking_uri, experiment)).sync_all()
 
 
 def log_export(
@@ -1234,7 +775,7 @@ def log_export(
         True when MLflow took it.
     """
     try:
-        syncer = _Syncer(_target_for_dir(study_dir, None, None))
+        syncer = Syncer(target_for_dir(study_dir, None, None))
         syncer.connect()
         if trial not in syncer.children:
             syncer.sync_all()
@@ -1268,10 +809,10 @@ def log_stability(study_dir: str | Path) -> str | None:
         when MLflow did not take it or there is no check.
     """
     try:
-        target = _target_for_dir(study_dir, None, None)
-        syncer = _Syncer(target)
+        target = target_for_dir(study_dir, None, None)
+        syncer = Syncer(target)
         syncer.connect()
-        doc = _read_json(target.out / "stability.json")
+        doc = read_json(target.out / "stability.json")
         if doc.get("trial") not in syncer.children:
             syncer.sync_all()
         else:
