@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
@@ -61,6 +61,9 @@ class QualitySettings:
         min_greedy_match: Least share of the candidate's own greedy tokens before its first
             divergence from the baseline's (judged only where speculation is a lever).
         timeout_s: Per request.
+        eval_set: A JSONL eval set with references (:mod:`.evalset`); None: none.
+        eval_max_tokens: Tokens of each eval answer.
+        min_accuracy_ratio: Least candidate accuracy over the baseline's on the eval set.
     """
 
     prompts: int = 8
@@ -70,6 +73,9 @@ class QualitySettings:
     max_logprob_drift: float = 0.1
     min_greedy_match: float = 0.9
     timeout_s: float = 120.0
+    eval_set: str | None = None
+    eval_max_tokens: int = 16
+    min_accuracy_ratio: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class Comparison:
     mean_abs_logprob_diff: float
     max_abs_logprob_diff: float
     greedy_match: float | None = None
+    accuracy: float | None = None  # on the eval set, where one is given
 
 
 @dataclass
@@ -93,6 +100,7 @@ class Reference:
     logprobs: list[list[float]]
     floor: Comparison
     flat: bool
+    accuracy: float | None = None  # the baseline's on the eval set, where one is given
     seconds: float = 0.0
     baseline_args: dict[str, Any] = field(default_factory=dict)
 
@@ -259,6 +267,18 @@ def build_reference(
         logprobs=logprobs,
         floor=floor,
         flat=is_flat(logprobs, vocab_size),
+        accuracy=_accuracy(url, model, settings),
+    )
+
+
+def _accuracy(url: str, model: str, settings: QualitySettings) -> float | None:
+    if settings.eval_set is None:
+        return None
+    from optimizer.quality.evalset import accuracy, load_eval_set
+
+    items = load_eval_set(settings.eval_set)
+    return accuracy(
+        url, model, items, max_tokens=settings.eval_max_tokens, timeout_s=settings.timeout_s
     )
 
 
@@ -273,7 +293,8 @@ def measure(url: str, model: str, reference: Reference, settings: QualitySetting
             _prefix_share(greedy(client, url, model, p, len(c)), c)
             for p, c in zip(reference.prompts, reference.continuations, strict=True)
         ]
-    return compare(reference.logprobs, [s[0] for s in scored], [s[1] for s in scored], shares)
+    got = compare(reference.logprobs, [s[0] for s in scored], [s[1] for s in scored], shares)
+    return replace(got, accuracy=_accuracy(url, model, settings))
 
 
 def judge(
@@ -304,6 +325,24 @@ def judge(
             f"greedy continuations match {comparison.greedy_match:.3f} of the baseline's "
             f"before diverging < {settings.min_greedy_match}"
         )
+    notes = []
+    if comparison.accuracy is not None and reference.accuracy is not None:
+        if reference.accuracy <= 0:
+            notes.append("the baseline answered none of the eval set: its ratio says nothing")
+        else:
+            ratio = comparison.accuracy / reference.accuracy
+            line = (
+                f"eval accuracy {comparison.accuracy:.3f} against the baseline's "
+                f"{reference.accuracy:.3f} (x{ratio:.3f})"
+            )
+            (problems if ratio < settings.min_accuracy_ratio else notes).append(
+                line
+                + (
+                    f" < x{settings.min_accuracy_ratio}"
+                    if ratio < settings.min_accuracy_ratio
+                    else ""
+                )
+            )
     if problems:
-        return Verdict("fail", "; ".join(problems), levers, comparison, floor)
-    return Verdict("pass", "within the thresholds", levers, comparison, floor)
+        return Verdict("fail", "; ".join(problems + notes), levers, comparison, floor)
+    return Verdict("pass", "; ".join(["within the thresholds", *notes]), levers, comparison, floor)

@@ -30,7 +30,13 @@ from optimizer.quality.levers import numeric_changes
 from optimizer.types import EngineConfig, Trace
 from optimizer.workload.prompts import TokenRange, build_prompt_ids
 
-__all__ = ["check_configuration", "dummy_weights", "prompts_for", "reference_for"]
+__all__ = [
+    "check_configuration",
+    "dummy_weights",
+    "keep_reference",
+    "prompts_for",
+    "reference_for",
+]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _DUMMY = (
@@ -67,9 +73,40 @@ def prompts_for(
     return out
 
 
-def _key(model: str, args: Mapping[str, Any], prompts: Sequence[Sequence[int]], n: int) -> str:
-    doc = json.dumps([model, dict(args), [list(p) for p in prompts], n], sort_keys=True)
+def _key(
+    model: str, args: Mapping[str, Any], prompts: Sequence[Sequence[int]], settings: QualitySettings
+) -> str:
+    """What a reference was made from: weights, arguments, prompts, lengths and eval set."""
+    evals = Path(settings.eval_set).read_bytes() if settings.eval_set else b""
+    doc = json.dumps(
+        [
+            model,
+            dict(args),
+            [list(p) for p in prompts],
+            settings.continuation_tokens,
+            settings.eval_max_tokens,
+            hashlib.sha256(evals).hexdigest(),
+        ],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def keep_reference(
+    workdir: Path,
+    model: str,
+    baseline_args: Mapping[str, Any],
+    prompts: Sequence[Sequence[int]],
+    settings: QualitySettings,
+    reference: Reference,
+) -> Path:
+    """Keep ``reference`` in ``workdir/reference.json`` for the candidates that follow."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    kept = workdir / "reference.json"
+    key = _key(model, baseline_args, prompts, settings)
+    kept.write_text(json.dumps({"key": key, "reference": reference.to_doc()}) + "\n")
+    return kept
 
 
 def _server(
@@ -106,12 +143,10 @@ def reference_for(
     Raises:
         EngineError: The baseline's server did not start or died.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    key = _key(model, baseline_args, prompts, settings.continuation_tokens)
     kept = workdir / "reference.json"
     if kept.is_file():
         doc = json.loads(kept.read_text())
-        if doc.get("key") == key:
+        if doc.get("key") == _key(model, baseline_args, prompts, settings):
             return Reference.from_doc(doc["reference"])
     t0 = time.monotonic()
     server = _server(
@@ -124,7 +159,7 @@ def reference_for(
         server.stop()
     ref.seconds = time.monotonic() - t0
     ref.baseline_args = dict(baseline_args)
-    kept.write_text(json.dumps({"key": key, "reference": ref.to_doc()}) + "\n")
+    keep_reference(workdir, model, baseline_args, prompts, settings, ref)
     return ref
 
 

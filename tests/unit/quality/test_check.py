@@ -124,3 +124,38 @@ def test_unchanged_and_dummy_configurations_start_no_server(tmp_path: Path) -> N
     assert verdict.status == "skipped" and "dummy weights" in verdict.reason
     assert "not a pass" in verdict.line()
     assert not (tmp_path / "q").exists()  # no server was started
+
+
+def test_an_eval_set_names_the_file_and_line_of_a_bad_row(tmp_path: Path) -> None:
+    from optimizer.errors import ConfigError
+    from optimizer.quality.evalset import load_eval_set
+
+    good = tmp_path / "ok.jsonl"
+    good.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"prompt": "a", "answer": "b"}\n')
+    assert [i.answer for i in load_eval_set(good)] == ["4", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "x"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: each line needs"):
+        load_eval_set(bad)
+    bad.write_text("{nope\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: not JSON"):
+        load_eval_set(bad)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="no items"):
+        load_eval_set(tmp_path / "empty.jsonl")
+
+
+def test_the_accuracy_ratio_fails_a_candidate_and_a_baseline_at_zero_says_nothing() -> None:
+    from dataclasses import replace
+
+    ref, settings = _reference(), QualitySettings()
+    same = compare(ref.logprobs, ref.logprobs, [[1, 1, 1, 1]])
+    ref.accuracy = 0.8
+    verdict = judge(replace(same, accuracy=0.6), ref, {}, settings)
+    assert verdict.status == "fail" and "eval accuracy 0.600 against the baseline's 0.800" in (
+        verdict.reason
+    )
+    assert judge(replace(same, accuracy=0.78), ref, {}, settings).status == "pass"
+    ref.accuracy = 0.0
+    verdict = judge(replace(same, accuracy=0.0), ref, {}, settings)
+    assert verdict.status == "pass" and "says nothing" in verdict.reason
