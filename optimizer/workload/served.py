@@ -110,7 +110,7 @@ def served_token_range(
                 else:
                     bad = middle
     except httpx.HTTPError as exc:
-        from optimizer.workload.replay import describe_error
+        from optimizer.workload.replay_client import describe_error
 
         raise ReplayError(f"cannot ask {url} for its vocabulary: {describe_error(exc)}") from exc
     return (

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from optimizer.workload.http11 import LeanTransport
-from optimizer.workload.replay import describe_error
+from optimizer.workload.replay_client import describe_error
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -25,13 +25,8 @@ import pytest
 
 from optimizer.types import Trace, TraceRequest
 from optimizer.workload.prompts import TokenRange
-from optimizer.workload.replay import (
-    ReplayOptions,
-    ReplayResult,
-    ReplaySnapshot,
-    describe_error,
-    replay,
-)
+from optimizer.workload.replay import ReplayOptions, ReplayResult, ReplaySnapshot, replay
+from optimizer.workload.replay_client import describe_error
 from tests.fakes.openai_stream_server import in_subprocess
 
 KEEPALIVE_S = 1.0
