@@ -1,6 +1,6 @@
 """Report tables: placeholder values of unmeasured trials are never shown as measurements.
 
-Seen on the H200 (benchmarks/RESULTS.md, GPU section): every trial of a study was stopped early by its
+Seen on the H200 (benchmarks/records/studies.md, GPU section): every trial of a study was stopped early by its
 SLOs, and the front table printed the baseline's placeholder worst values (1,000,000,000 ms) as
 if they had been measured.
 """

@@ -32,9 +32,9 @@ def test_the_probe_reads_this_interpreter_without_importing_vllm() -> None:
 
 
 def test_the_cpu_vector_extensions_are_read_from_cpuinfo() -> None:
-    # Sessions of this project ran on a Xeon and on an "AMD EPYC" with AVX2 only; the table's
+    # This project's benchmarks ran on a Xeon and on an "AMD EPYC" with AVX2 only; the table's
     # rebuild job, sized on the first, failed its SLOs at the lowest scale on the second
-    # (benchmarks/RESULTS.md, the table's rebuild).
+    # (benchmarks/records/search.md, the table's rebuild).
     from optimizer.engine.stack import cpu_isa
 
     avx2_only = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n"
