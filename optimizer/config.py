@@ -368,6 +368,42 @@ class SamplerSection(_Strict):
     startup: Literal["random", "guided"] = "random"
 
 
+class QualitySection(_Strict):
+    """The quality gate (:mod:`optimizer.quality`): a configuration that changes numerics
+    (quantization, KV-cache dtype, speculative decoding, dtype) is compared with the baseline
+    on the same weights before it can be exported; every other one is unchanged by
+    construction. Dummy weights (flat logits) skip it, never a pass.
+
+    Attributes:
+        enabled: Check the feasible front's numeric-changing members before the study ends.
+        prompts: Prompts compared, each sent alone, in order (the trace's first requests).
+        prompt_tokens: Tokens of each prompt, at most.
+        continuation_tokens: Tokens of the baseline's greedy continuation scored.
+        min_top1_agreement: Least share of positions where the baseline's token stays the
+            candidate's top choice (0.95: InferenceBench's gate keeps 0.95x the accuracy).
+        max_logprob_drift: Most mean absolute logprob difference over the floor, in nats
+            (0.1: the chosen token's probability moves about 10 % on average; the FP8 KV cache
+            moved seeded weights of the small shape by 0.023).
+        min_greedy_match: Least share of the candidate's own greedy tokens before it diverges
+            from the baseline's (judged where speculation is a lever).
+        eval_set: A local JSONL eval set (``prompt`` and ``answer`` per line), relative to the
+            job file; its accuracy ratio to the baseline's is judged too.
+        eval_max_tokens: Tokens of each eval answer.
+        min_accuracy_ratio: Least candidate accuracy over the baseline's on the eval set.
+    """
+
+    enabled: bool = True
+    prompts: int = Field(default=8, ge=1, le=256)
+    prompt_tokens: int = Field(default=128, ge=16)
+    continuation_tokens: int = Field(default=64, ge=1, le=4096)
+    min_top1_agreement: float = Field(default=0.95, ge=0, le=1)
+    max_logprob_drift: float = Field(default=0.1, ge=0)
+    min_greedy_match: float = Field(default=0.9, ge=0, le=1)
+    eval_set: PlainText | None = None
+    eval_max_tokens: int = Field(default=16, ge=1)
+    min_accuracy_ratio: float = Field(default=0.95, ge=0)
+
+
 class WarmStartSection(_Strict):
     """Begin with the best configurations of earlier studies (:mod:`optimizer.warm_start`).
 
@@ -420,6 +456,7 @@ class JobConfig(_Strict):
         warm_start: Earlier studies whose best configurations are enqueued after these.
         mlflow: MLflow settings.
         stability: The stability check as a stage (``after_study``) and its plan.
+        quality: The quality gate on numeric-changing configurations.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
@@ -443,6 +480,7 @@ class JobConfig(_Strict):
     warm_start: WarmStartSection | None = None
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
     stability: StabilitySection = Field(default_factory=StabilitySection)
+    quality: QualitySection = Field(default_factory=QualitySection)
 
     _trees = field_validator("search_space", "enqueue")(_plain_tree)
 
@@ -631,6 +669,15 @@ def load_job(
             "model": job.model.model_copy(update={"path": model_path}),
             "trace": job.trace.model_copy(update={"path": str(_resolve(job.trace.path, folder))}),
             "search_space": space,
+            "quality": job.quality.model_copy(
+                update={
+                    "eval_set": (
+                        str(_resolve(job.quality.eval_set, folder))
+                        if job.quality.eval_set
+                        else None
+                    )
+                }
+            ),
         }
     )
     return job, folder

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BASELINE_ATTR",
+    "QUALITY_ATTR",
     "STATUS_ATTR",
     "CapacityView",
     "TrialView",
@@ -33,14 +34,19 @@ __all__ = [
     "feasible_front",
     "gpus_per_server",
     "metric_names",
+    "quality_verdicts",
     "record_engine_args",
     "record_result",
     "record_status",
+    "refused_trials",
 ]
 
 # Stored attribute names (a storage format: never rename).
 BASELINE_ATTR = "baseline"
 STATUS_ATTR = "status"
+#: The quality gate's verdicts (:mod:`optimizer.quality`): a study attribute, trial number (as
+#: text) -> the verdict's document (a finished trial's own attributes cannot change).
+QUALITY_ATTR = "quality"
 ENGINE_ARGS_ATTR = "engine_args"
 _MESSAGE_CHARS = 2000
 
@@ -362,9 +368,57 @@ def baseline_of(study: optuna.Study, *, measured: bool = False) -> FrozenTrial |
     return None
 
 
-def feasible_front(study: optuna.Study) -> list[FrozenTrial]:
-    """The feasible Pareto front: measured trials that meet every SLO, none dominated."""
-    return [t for t in study.best_trials if TrialView(t).feasible]
+def feasible_front(study: optuna.Study, *, gated: bool = True) -> list[FrozenTrial]:
+    """The feasible Pareto front: measured trials that meet every SLO, none dominated.
+
+    ``gated``: trials the quality gate refused are left out before the front is taken, so a
+    refused trial never hides the ones it dominates.
+    """
+    front = [t for t in study.best_trials if TrialView(t).feasible]
+    refused = {t.number for t in refused_trials(study)} if gated else set()
+    if not refused & {t.number for t in front}:
+        return front
+    kept = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if TrialView(t).feasible and t.number not in refused
+    ]
+    return _non_dominated(kept, study.directions)
+
+
+def quality_verdicts(study: optuna.Study) -> dict[int, dict[str, Any]]:
+    """The quality gate's verdicts by trial number (empty: nothing checked)."""
+    raw = study.user_attrs.get(QUALITY_ATTR)
+    if not isinstance(raw, Mapping):
+        return {}
+    return {int(k): dict(v) for k, v in raw.items() if str(k).isdigit() and isinstance(v, Mapping)}
+
+
+def refused_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """Measured trials the quality gate refused, in trial order: never exported as a win."""
+    refused = {n for n, doc in quality_verdicts(study).items() if doc.get("status") == "fail"}
+    return [t for t in study.get_trials(deepcopy=False) if t.number in refused]
+
+
+def _non_dominated(
+    trials: list[FrozenTrial], directions: list[optuna.study.StudyDirection]
+) -> list[FrozenTrial]:
+    from optuna.study import StudyDirection
+
+    signs = [1.0 if d == StudyDirection.MINIMIZE else -1.0 for d in directions]
+
+    def key(t: FrozenTrial) -> list[float]:
+        return [s * float(v) for s, v in zip(signs, t.values or [], strict=True)]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+    keys = {t.number: key(t) for t in trials}
+    return [
+        t
+        for t in trials
+        if not any(dominates(keys[o.number], keys[t.number]) for o in trials if o is not t)
+    ]
 
 
 # --- writers: the study driver records a trial through these ------------------------------------

@@ -176,8 +176,13 @@ def check_configuration(
     startup_timeout_s: float = 900.0,
     vocab_size: int | None = None,
     label: str = "candidate",
+    candidate_env: Mapping[str, str] | None = None,
 ) -> Verdict:
-    """The gate for one configuration; never raises for a server that fails."""
+    """The gate for one configuration; never raises for a server that fails.
+
+    ``env`` is the baseline's server environment, ``candidate_env`` the candidate's (default:
+    the same), as their trials ran.
+    """
     levers = numeric_changes(args, baseline_args)
     if not levers:
         return Verdict(
@@ -202,7 +207,14 @@ def check_configuration(
         return Verdict("skipped", f"the baseline's server failed: {exc}", levers)
     if reference.flat:
         return Verdict("skipped", _DUMMY.replace("(load-format dummy)", "(flat logits)"), levers)
-    server = _server(model, args, env, workdir / f"{label}-engine.log", python, startup_timeout_s)
+    server = _server(
+        model,
+        args,
+        env if candidate_env is None else candidate_env,
+        workdir / f"{label}-engine.log",
+        python,
+        startup_timeout_s,
+    )
     try:
         server.start()
         comparison = measure(server.url, model, reference, settings)

@@ -1,0 +1,106 @@
+"""The gate as a study's stage: the feasible front's numeric-changing members, checked.
+
+Before a study ends (and from ``vllm-autotune quality``), every member of the feasible Pareto
+front whose engine arguments change numerics is checked against the baseline; its verdict is
+stored among the study's (its ``quality`` attribute), and a refused member leaves the front,
+so that the members it dominated may join it and are checked in turn. The export policy then
+picks the best that passes (:func:`optimizer.trial_view.feasible_front` leaves refused trials
+out). Members that
+change nothing numeric are recorded ``unchanged`` without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from optimizer.config import QualitySection
+from optimizer.quality.check import QualitySettings, Verdict
+from optimizer.quality.levers import numeric_changes
+from optimizer.quality.run import check_configuration
+from optimizer.trial_view import QUALITY_ATTR, TrialView, feasible_front, quality_verdicts
+
+__all__ = ["gate_front", "record_verdict", "settings_of"]
+
+
+def settings_of(section: QualitySection) -> QualitySettings:
+    """The job's ``quality`` section as the check's settings."""
+    return QualitySettings(
+        prompts=section.prompts,
+        prompt_tokens=section.prompt_tokens,
+        continuation_tokens=section.continuation_tokens,
+        min_top1_agreement=section.min_top1_agreement,
+        max_logprob_drift=section.max_logprob_drift,
+        min_greedy_match=section.min_greedy_match,
+        eval_set=section.eval_set,
+        eval_max_tokens=section.eval_max_tokens,
+        min_accuracy_ratio=section.min_accuracy_ratio,
+    )
+
+
+def record_verdict(study: optuna.Study, trial: FrozenTrial, verdict: Verdict) -> None:
+    """Store ``verdict`` among the study's verdicts (:data:`QUALITY_ATTR`)."""
+    verdicts = {str(n): doc for n, doc in quality_verdicts(study).items()}
+    verdicts[str(trial.number)] = verdict.to_doc()
+    study.set_user_attr(QUALITY_ATTR, verdicts)
+
+
+def gate_front(
+    study: optuna.Study,
+    *,
+    model: str,
+    baseline_args: Mapping[str, Any],
+    env_for: Callable[[Mapping[str, Any]], Mapping[str, str]],
+    prompts: Sequence[Sequence[int]],
+    workdir: Path,
+    settings: QualitySettings,
+    python: str | None = None,
+    startup_timeout_s: float = 900.0,
+    vocab_size: int | None = None,
+    only: Sequence[int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[tuple[int, Verdict]]:
+    """Check the front until no unchecked numeric-changing member is left; (trial, verdict)s.
+
+    Args:
+        env_for: The server environment a configuration ran with (its trial's).
+        only: Check these trial numbers instead of the front (``quality --trial``).
+    """
+    say = progress or (lambda _line: None)
+    done: list[tuple[int, Verdict]] = []
+    while True:
+        if only is not None:
+            by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+            todo = [by_number[n] for n in only if n in by_number and n not in dict(done)]
+        else:
+            checked = quality_verdicts(study)
+            todo = [t for t in feasible_front(study) if t.number not in checked]
+        if not todo:
+            return done
+        for trial in todo:
+            args = TrialView(trial).engine_args
+            levers = numeric_changes(args, baseline_args)
+            if levers:
+                say(f"quality gate: trial {trial.number} ({', '.join(sorted(levers))}): checking")
+            verdict = check_configuration(
+                model,
+                args,
+                baseline_args,
+                env_for(baseline_args),
+                workdir,
+                settings,
+                prompts,
+                python=python,
+                startup_timeout_s=startup_timeout_s,
+                vocab_size=vocab_size,
+                label=f"trial-{trial.number}",
+                candidate_env=env_for(args),
+            )
+            record_verdict(study, trial, verdict)
+            done.append((trial.number, verdict))
+            if levers:
+                say(f"quality gate: trial {trial.number}: {verdict.line()}")

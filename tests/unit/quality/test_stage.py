@@ -1,0 +1,102 @@
+"""The gate as a study stage on a real (in-memory) Optuna study, with a FAKE check (the servers
+are in tests/integration/test_quality_vllm.py): a refused member leaves the front, the member it
+dominated joins and is checked, and the export policy picks the best that passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from optimizer.export.choose import select_trial
+from optimizer.quality import stage
+from optimizer.quality.check import QualitySettings, Verdict
+from optimizer.trial_view import feasible_front, quality_verdicts, refused_trials
+
+BASE = {"max-num-seqs": 128}
+
+
+def _study() -> optuna.Study:
+    study = optuna.create_study(directions=["maximize"])
+    study.set_metric_names(["capacity_rps"])
+    rows = [
+        (BASE, 10.0, True),
+        ({"max-num-seqs": 64, "kv-cache-dtype": "fp8", "quantization": "fp8"}, 30.0, False),
+        ({"max-num-seqs": 64, "kv-cache-dtype": "fp8"}, 20.0, False),
+        ({"max-num-seqs": 64}, 15.0, False),
+    ]
+    for args, cap, baseline in rows:
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[cap],
+                user_attrs={
+                    "engine_args": json.dumps(args),
+                    "status": "complete",
+                    "baseline": baseline,
+                },
+            )
+        )
+    return study
+
+
+def test_a_refused_member_leaves_the_front_and_the_export_picks_the_best_that_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[dict[str, Any]] = []
+
+    def fake_check(model: str, args: dict[str, Any], *_a: Any, **_k: Any) -> Verdict:
+        checked.append(args)
+        status = "fail" if args.get("quantization") else "pass"
+        return Verdict(status, f"fake: {status}", {"x": "y"})
+
+    monkeypatch.setattr(stage, "check_configuration", fake_check)
+    study = _study()
+    assert [t.number for t in feasible_front(study)] == [1]
+    done = stage.gate_front(
+        study,
+        model="m",
+        baseline_args=BASE,
+        env_for=lambda args: {},
+        prompts=[[1, 2]],
+        workdir=tmp_path,
+        settings=QualitySettings(),
+    )
+    assert [(n, v.status) for n, v in done] == [(1, "fail"), (2, "pass")]
+    assert [a.get("quantization") for a in checked] == ["fp8", None]
+    assert [t.number for t in refused_trials(study)] == [1]
+    assert [t.number for t in feasible_front(study)] == [2]
+    assert [t.number for t in feasible_front(study, gated=False)] == [1]
+    assert select_trial(study, "max-capacity").number == 2
+    assert quality_verdicts(study)[1] == {
+        "status": "fail",
+        "reason": "fake: fail",
+        "levers": {"x": "y"},
+        "comparison": None,
+        "floor": None,
+        "seconds": 0.0,
+    }
+
+
+def test_only_named_trials_are_checked_and_unchanged_ones_need_no_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+    monkeypatch.setattr(
+        "optimizer.quality.run.EngineProcess", lambda *a, **k: started.append("server")
+    )
+    study = _study()
+    done = stage.gate_front(
+        study,
+        model=str(tmp_path),
+        baseline_args=BASE,
+        env_for=lambda args: {},
+        prompts=[[1, 2]],
+        workdir=tmp_path / "q",
+        settings=QualitySettings(),
+        only=[3],
+    )
+    assert [(n, v.status) for n, v in done] == [(3, "unchanged")]
+    assert started == []
