@@ -630,7 +630,8 @@ def _study_progress_line(driver: Any, elapsed: float) -> str:
 
 def cmd_tune(ns: argparse.Namespace) -> int:
     from optimizer.report import front_table
-    from optimizer.study import StudyDriver, StudyEvent, prepare
+    from optimizer.study import prepare
+    from optimizer.study_driver import StudyDriver, StudyEvent
 
     job, base = _job_with_overrides(ns)
     with console.status("checking the job against the installed vLLM ..."):

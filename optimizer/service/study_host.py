@@ -1,7 +1,7 @@
 """Where a job's study driver runs: :class:`StudyHost` prepares the plan and runs a
-:class:`~optimizer.study.StudyDriver` in a thread; :class:`RayDriverLauncher` hosts each one in a
-detached, named Ray actor (through :mod:`optimizer.runners`, the one module that imports Ray),
-so a restarted API finds its drivers by name; a trial lost with the cluster is not a result.
+:class:`~optimizer.study_driver.StudyDriver` in a thread; :class:`RayDriverLauncher` hosts each
+one in a detached, named Ray actor (through :mod:`optimizer.runners`, the one module that imports
+Ray), so a restarted API finds its drivers by name; a trial lost with the cluster is not a result.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class StudyHost:
         from datetime import timedelta
 
         from optimizer.runners import ClusterLossGuard, RayRunner
-        from optimizer.study import StudyDriver, prepare
+        from optimizer.study import prepare
+        from optimizer.study_driver import StudyDriver
 
         runner: Any = None
         try:

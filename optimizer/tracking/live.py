@@ -1,7 +1,7 @@
 """The live tracker: a running study logged to MLflow from a background thread, so a slow or
 unreachable tracking server never delays a trial.
 
-:class:`Tracker` receives the driver's :class:`~optimizer.study.StudyEvent` objects and hands
+:class:`Tracker` receives the driver's :class:`~optimizer.study_driver.StudyEvent` objects and hands
 them to its thread, which reads the finished trials from the study's own storage, writes them
 to MLflow through :class:`~optimizer.tracking.sync.Syncer` with bounded exponential backoff, and
 re-tags every child run whenever the Pareto front changes. :func:`tracker_for_plan` makes one
@@ -19,7 +19,8 @@ from typing import Any
 import optuna
 
 from optimizer.analysis.front import front_numbers
-from optimizer.study import StudyEvent, StudyPlan
+from optimizer.study import StudyPlan
+from optimizer.study_driver import StudyEvent
 from optimizer.tracking.sync import Syncer
 from optimizer.tracking.target import (
     TrackingTarget,

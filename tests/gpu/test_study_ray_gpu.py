@@ -14,7 +14,8 @@ from optuna.trial import TrialState
 
 from optimizer.config import load_job
 from optimizer.runners import RayRunner
-from optimizer.study import StudyDriver, StudyEvent, prepare
+from optimizer.study import prepare
+from optimizer.study_driver import StudyDriver, StudyEvent
 from optimizer.types import TrialSpec
 from tests.gpu.conftest import (
     GPU_SERVER_ENV,

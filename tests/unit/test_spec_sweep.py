@@ -134,7 +134,8 @@ def _capacity_study(job: dict[str, Any], tmp_path: Path) -> tuple[Any, Any, Path
     """Run a capacity job on the FAKE capacity server: the study, its 3-token speculating
     trial, the study folder and its plan.json."""
     from optimizer.config import load_job
-    from optimizer.study import StudyDriver, prepare
+    from optimizer.study import prepare
+    from optimizer.study_driver import StudyDriver
 
     loaded, base = load_job(job, base=tmp_path)
     plan = prepare(loaded, base, check_flags=False)

@@ -12,7 +12,8 @@ import pytest
 
 from optimizer import cli
 from optimizer.config import load_job
-from optimizer.study import StudyDriver, prepare
+from optimizer.study import prepare
+from optimizer.study_driver import StudyDriver
 from optimizer.study_folder import resolve_url, storage_url_of
 from tests.unit.test_study_loop import FakeRunner
 from tests.unit.test_study_loop import _job as fake_job

@@ -18,7 +18,8 @@ from optimizer.config import load_job
 from optimizer.errors import ConfigError, SearchSpaceError
 from optimizer.report import front_rows, study_status
 from optimizer.sampling import KnowledgeSampler
-from optimizer.study import StudyDriver, is_baseline, prepare
+from optimizer.study import prepare
+from optimizer.study_driver import StudyDriver, is_baseline
 from optimizer.trial_view import TrialView
 from optimizer.types import FailureClass, TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle, ScriptedRunner
@@ -645,7 +646,7 @@ def test_a_budget_study_stops_once_its_small_space_is_measured_through(tmp_path:
     """No trial count, a long budget, a 2-point space: TPE proposes no measured configuration
     while one is free; then every proposal is a duplicate, and after MAX_REPEATS in a row the
     study stops launching instead of refusing duplicates until the budget ends."""
-    from optimizer.study import MAX_REPEATS
+    from optimizer.study_driver import MAX_REPEATS
     from optimizer.trial_view import TrialView
 
     space = {"name": "two", "params": {"max-num-seqs": {"type": "categorical", "choices": [4, 16]}}}
@@ -750,7 +751,7 @@ def test_a_guided_study_moves_one_parameter_at_a_time_from_the_baseline(
 
 
 def test_auto_picks_the_grid_where_the_budget_covers_the_space(tmp_path: Path) -> None:
-    from optimizer.study import _GridSampler, _sampler
+    from optimizer.study_sampler import StudyGridSampler, job_sampler
 
     space = {
         "name": "t",
@@ -759,13 +760,13 @@ def test_auto_picks_the_grid_where_the_budget_covers_the_space(tmp_path: Path) -
             "max-num-batched-tokens": {"type": "categorical", "choices": [512, 2048]},
         },
     }
-    for trials, kind in ((5, _GridSampler), (4, KnowledgeSampler)):
+    for trials, kind in ((5, StudyGridSampler), (4, KnowledgeSampler)):
         job, base = load_job(
             _job(tmp_path, trials=trials, search_space=space, sampler={"name": "auto"}),
             base=tmp_path,
         )
         plan = prepare(job, base, check_flags=False)
-        assert isinstance(_sampler(plan.job, plan.space), kind), trials
+        assert isinstance(job_sampler(plan.job, plan.space), kind), trials
 
 
 def test_an_rf_study_runs_with_smacs_random_forest(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from optuna.trial import TrialState
 
 from optimizer import tracking
 from optimizer.config import load_job
-from optimizer.study import StudyDriver, is_baseline, prepare
+from optimizer.study import prepare
+from optimizer.study_driver import StudyDriver, is_baseline
 from optimizer.tracking.target import target_for_dir
 from optimizer.trial import write_records
 from optimizer.types import (

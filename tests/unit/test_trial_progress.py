@@ -16,7 +16,7 @@ import pytest
 
 from optimizer import trial as trial_mod
 from optimizer.capacity.search import StepOutcome
-from optimizer.study import StudyEvent
+from optimizer.study_driver import StudyEvent
 from optimizer.trial_io import TrialProgress, progress_line, read_progress
 from optimizer.types import TrialSpec, TrialStatus
 from optimizer.workload.replay import ReplayProgress

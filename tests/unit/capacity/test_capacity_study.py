@@ -22,7 +22,8 @@ from optimizer.capacity.trial import (
     capacity_summary,
 )
 from optimizer.config import load_job
-from optimizer.study import StudyDriver, prepare
+from optimizer.study import prepare
+from optimizer.study_driver import StudyDriver
 from optimizer.trial_view import TrialView
 from optimizer.types import MemoryAccount, TrialResult, TrialSpec, TrialStatus
 from tests.fakes.trials import FakeHandle, ScriptedRunner
