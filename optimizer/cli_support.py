@@ -1,8 +1,9 @@
 """What several commands share: the consoles, opening a study folder, making a runner.
 
-``cli.py`` wires arguments to the commands; the commands that live in their own rooms
-(``regress/command.py``, ``stability_check/command.py``) use this module, never ``cli.py``, so the
-command line and its commands import no circle.
+``cli.py`` wires arguments to the commands; the commands (``cli_engine.py``, ``cli_trace.py``,
+``cli_study.py``, and those that live in their own rooms: ``export/command.py``,
+``regress/command.py``, ``stability_check/command.py``, ...) use this module, never ``cli.py``, so
+the command line and its commands import no circle.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_show_says_which_slo_a_trial_missed_or_stopped_it_and_what_was_measured(
     text = _render(status_table(study))
     assert "SLOs: p95_ttft_ms<=400, p95_tpot_ms<=50" in text and "* partial" in text
     # The tune console's line for a finished trial names the missed SLO too.
-    from optimizer import cli
+    from optimizer import cli_study as cli
 
     trials = study.get_trials()
     assert "✗SLO missed: p95_tpot_ms<=50" in cli._slo_note(trials[1])

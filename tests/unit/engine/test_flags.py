@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.cli import parse_engine_args
+from optimizer.cli_engine import parse_engine_args
 from optimizer.engine.flags import FlagInfo, normalize_flag, validate_engine_args
 from optimizer.errors import ConfigError, EngineArgError
 

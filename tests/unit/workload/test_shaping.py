@@ -312,7 +312,7 @@ def test_shape_without_a_window_detects_the_tick_on_the_trace_itself() -> None:
 def test_cli_flags_and_config_section_reach_the_shape_spec() -> None:
     import argparse
 
-    from optimizer.cli import _add_shaping, shape_spec_from
+    from optimizer.cli_trace import _add_shaping, shape_spec_from
     from optimizer.config import ShapingSection
 
     parser = argparse.ArgumentParser()
