@@ -14,10 +14,17 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer.analysis.diagnosis import diagnose
 from optimizer.analysis.front import trial_class
 from optimizer.analysis.trial_cost import study_cost
-from optimizer.trial_view import TrialView, baseline_of, metric_names
+from optimizer.quality.levers import numeric_changes
+from optimizer.trial_view import TrialView, baseline_of, metric_names, quality_verdicts
 from search_spaces.speculation import stated_acceptance
 
-__all__ = ["capacity_section", "headline_md", "report_md", "stability_section"]
+__all__ = [
+    "capacity_section",
+    "headline_md",
+    "quality_section",
+    "report_md",
+    "stability_section",
+]
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -249,12 +256,47 @@ def report_md(
     if stability and not stability.get("slos"):  # a check written before it kept its SLOs
         stability = {**stability, "slos": plan.get("slos") or []}
     lines += stability_section(stability)
+    lines += quality_section(study)
     lines += study_cost(over).markdown()
     lines += _winners(doc, base_args)
     lines += _importance_lines(importances)
     lines += _diagnoses(over, base, front, stats)
     lines += _trace_lines(trace.get("notes") or [], stats)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def quality_section(study: optuna.Study) -> list[str]:
+    """report.md's "Quality gate" section: every verdict, refused ones first ([]: none)."""
+    verdicts = quality_verdicts(study)
+    if not verdicts:
+        return []
+    base = baseline_of(study)
+    base_args = TrialView(base).engine_args if base else {}
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    lines = [
+        "## Quality gate",
+        "",
+        "Numeric-changing members of the feasible front against the baseline on the same "
+        "weights (teacher-forced on the baseline's greedy answers; drift over the floor of two "
+        "baseline passes). A refused configuration is never exported as a win.",
+        "",
+        "| trial | levers | verdict | top-1 agreement | logprob drift | floor | why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(verdicts, key=lambda n: (verdicts[n].get("status") != "fail", n))
+    for number in order:
+        doc = verdicts[number]
+        trial = by_number.get(number)
+        levers = numeric_changes(TrialView(trial).engine_args, base_args) if trial else {}
+        comparison = doc.get("comparison") or {}
+        floor = doc.get("floor") or {}
+        lines.append(
+            f"| {number} | {_cell(', '.join(sorted(levers)) or '-')} | {doc.get('status')} | "
+            f"{_fmt(comparison.get('top1_agreement'), 3)} | "
+            f"{_fmt(comparison.get('mean_abs_logprob_diff'), 4)} | "
+            f"{_fmt(floor.get('mean_abs_logprob_diff'), 4)} | {_cell(doc.get('reason', ''))} |"
+        )
+    return [*lines, ""]
 
 
 def _facts(

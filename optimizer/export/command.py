@@ -230,6 +230,15 @@ def _with_stability_note(ctx: Any, folder: Path, trial: int) -> Any:
     return dataclasses.replace(ctx, notes=(*ctx.notes, *header_note(folder, trial)))
 
 
+def _with_quality_notes(ctx: Any, study: Any, trial: int) -> Any:
+    """The export header with the quality gate's verdict on this trial and its refusals."""
+    import dataclasses
+
+    from optimizer.quality.stage import quality_notes
+
+    return dataclasses.replace(ctx, notes=(*ctx.notes, *quality_notes(study, trial)))
+
+
 def _render_export(
     ns: argparse.Namespace,
     saved: dict[str, Any],
@@ -250,6 +259,7 @@ def _render_export(
         deployment=_deployment(ns),
     )
     ctx = _with_stability_note(ctx, folder, choice.chosen.number)
+    ctx = _with_quality_notes(ctx, study, choice.chosen.number)
     if ns.format in ex.DEPLOY_FORMATS:
         for note in ctx.deploy_notes():
             console.print(f"[yellow]{note}[/]")

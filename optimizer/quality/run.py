@@ -36,6 +36,7 @@ __all__ = [
     "keep_reference",
     "prompts_for",
     "reference_for",
+    "served_name",
 ]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -54,6 +55,14 @@ def dummy_weights(model: str, args: Mapping[str, Any]) -> bool:
     return folder.is_dir() and not any(
         p.suffix in _WEIGHT_SUFFIXES for p in folder.iterdir() if p.is_file()
     )
+
+
+def served_name(model: str, args: Mapping[str, Any]) -> str:
+    """The name requests address the model by (``served-model-name`` where set)."""
+    name = args.get("served-model-name")
+    if isinstance(name, list | tuple) and name:
+        return str(name[0])
+    return str(name) if name else model
 
 
 def prompts_for(
@@ -154,7 +163,9 @@ def reference_for(
     )
     try:
         server.start()
-        ref = build_reference(server.url, model, prompts, settings, vocab_size=vocab_size)
+        ref = build_reference(
+            server.url, served_name(model, baseline_args), prompts, settings, vocab_size=vocab_size
+        )
     finally:
         server.stop()
     ref.seconds = time.monotonic() - t0
@@ -217,7 +228,7 @@ def check_configuration(
     )
     try:
         server.start()
-        comparison = measure(server.url, model, reference, settings)
+        comparison = measure(server.url, served_name(model, args), reference, settings)
     except EngineError as exc:
         return Verdict("skipped", f"the candidate's server failed: {exc}", levers)
     finally:

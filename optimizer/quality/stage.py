@@ -22,9 +22,16 @@ from optimizer.config import QualitySection
 from optimizer.quality.check import QualitySettings, Verdict
 from optimizer.quality.levers import numeric_changes
 from optimizer.quality.run import check_configuration
-from optimizer.trial_view import QUALITY_ATTR, TrialView, feasible_front, quality_verdicts
+from optimizer.trial_view import (
+    QUALITY_ATTR,
+    TrialView,
+    baseline_of,
+    feasible_front,
+    quality_verdicts,
+    refused_trials,
+)
 
-__all__ = ["gate_front", "record_verdict", "settings_of"]
+__all__ = ["gate_front", "quality_notes", "record_verdict", "settings_of"]
 
 
 def settings_of(section: QualitySection) -> QualitySettings:
@@ -104,3 +111,46 @@ def gate_front(
             done.append((trial.number, verdict))
             if levers:
                 say(f"quality gate: trial {trial.number}: {verdict.line()}")
+
+
+def _line(doc: Mapping[str, Any]) -> str:
+    comparison = doc.get("comparison")
+    if not isinstance(comparison, Mapping):
+        return f"{doc.get('status')}: {doc.get('reason')}"
+    floor = doc.get("floor") or {}
+    return (
+        f"{doc.get('status')}: top-1 agreement {float(comparison['top1_agreement']):.3f}, "
+        f"logprob drift {float(comparison['mean_abs_logprob_diff']):.4f} (floor "
+        f"{float(floor.get('mean_abs_logprob_diff') or 0.0):.4f}) over "
+        f"{comparison['tokens']} tokens; {doc.get('reason')}"
+    )
+
+
+def quality_notes(study: optuna.Study, trial_number: int) -> list[str]:
+    """What an export's header, ``show`` and report.md say of the gate: the chosen trial's
+    verdict (or that it changes numerics unchecked) and every configuration it refused."""
+    verdicts = quality_verdicts(study)
+    base = baseline_of(study)
+    base_args = TrialView(base).engine_args if base is not None else {}
+    lines = []
+    mine = verdicts.get(trial_number)
+    if mine is not None:
+        lines.append(f"Quality gate, trial {trial_number}: {_line(mine)}")
+    else:
+        trial = next(
+            (t for t in study.get_trials(deepcopy=False) if t.number == trial_number), None
+        )
+        levers = numeric_changes(TrialView(trial).engine_args, base_args) if trial else {}
+        if levers:
+            lines.append(
+                f"Quality gate: trial {trial_number} changes numerics ({', '.join(sorted(levers))})"
+                " and was not checked: run `vllm-autotune quality` on the study folder, or check"
+                " its answers against the baseline's yourself."
+            )
+    for trial in refused_trials(study):
+        named = ", ".join(sorted(numeric_changes(TrialView(trial).engine_args, base_args)))
+        lines.append(
+            f"Refused by the quality gate: trial {trial.number} ({named}): "
+            f"{_line(verdicts[trial.number])}"
+        )
+    return lines

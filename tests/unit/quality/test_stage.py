@@ -100,3 +100,54 @@ def test_only_named_trials_are_checked_and_unchanged_ones_need_no_server(
     )
     assert [(n, v.status) for n, v in done] == [(3, "unchanged")]
     assert started == []
+
+
+def test_the_verdicts_reach_the_export_header_and_report_md(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from optimizer.analysis.documents import quality_section
+    from optimizer.export.command import _with_quality_notes
+    from optimizer.export.render import ExportContext
+    from optimizer.quality.check import Comparison
+    from optimizer.quality.stage import quality_notes
+
+    def fake_check(model: str, args: dict[str, Any], *_a: Any, **_k: Any) -> Verdict:
+        moved = 0.3 if args.get("quantization") else 0.01
+        comparison = Comparison(64, 0.9 if moved > 0.1 else 1.0, moved, 2 * moved)
+        floor = Comparison(64, 1.0, 0.0, 0.0)
+        status = "fail" if moved > 0.1 else "pass"
+        return Verdict(status, f"fake {status}", {"x": "y"}, comparison, floor)
+
+    monkeypatch.setattr(stage, "check_configuration", fake_check)
+    study = _study()
+    stage.gate_front(
+        study,
+        model="m",
+        baseline_args=BASE,
+        env_for=lambda args: {},
+        prompts=[[1]],
+        workdir=tmp_path,
+        settings=QualitySettings(),
+    )
+    notes = quality_notes(study, 2)
+    assert notes[0].startswith("Quality gate, trial 2: pass: top-1 agreement 1.000")
+    assert notes[1].startswith(
+        "Refused by the quality gate: trial 1 (kv-cache-dtype, quantization): fail: "
+        "top-1 agreement 0.900, logprob drift 0.3000"
+    )
+    ctx = ExportContext(
+        study="s", trial=2, model="m", args={}, vllm="v", hardware="h", trace="t", gain="g"
+    )
+    header = _with_quality_notes(ctx, study, 2).header()
+    assert "# NOTE: Refused by the quality gate: trial 1" in header
+    section = "\n".join(quality_section(study))
+    assert "| 1 | kv-cache-dtype, quantization | fail | 0.900 | 0.3000 | 0.0000 | fake fail |" in (
+        section
+    )
+    assert quality_notes(study, 3) == [notes[1]]  # no levers: only the refusals
+    unchecked = quality_notes(_study(), 1)
+    assert unchecked == [
+        "Quality gate: trial 1 changes numerics (kv-cache-dtype, quantization) and was not "
+        "checked: run `vllm-autotune quality` on the study folder, or check its answers against "
+        "the baseline's yourself."
+    ]
