@@ -12,6 +12,8 @@ One room per job (import the module you need; this package imports nothing):
 - :mod:`.study_host`: a study's driver, hosted in a detached Ray actor;
 - :mod:`.validations`: re-validated exports as jobs of their own, queued per team;
 - :mod:`.facade`: everything the API does, without HTTP (submit, show, cancel, export);
+- :mod:`.admission`: what the facade accepts of a submission before it is queued (roots,
+  models, the keys the service decides, the plan check);
 - :mod:`.api`: the HTTP API and its Ray Serve deployment;
 - :mod:`.client`: the commands (``serve``, ``token``) and a thin HTTP client (``submit``, ...).
 """
