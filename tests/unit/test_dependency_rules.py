@@ -11,8 +11,8 @@
 - no import runs back up a floor: a room (a package of ``optimizer/`` with all its modules, a
   module at the top of ``optimizer/``, ``objectives``, ``search_spaces``) lies on one floor, so
   there is no circle among rooms either. A package whose ``__init__`` says that each of its
-  modules is a room of its own (``service/``, ``engine/``) is not one room; the one import
-  known to run back up is listed, with its reason, and the test fails once it is gone. So
+  modules is a room of its own (``service/``) is not one room; the one import known to run
+  back up is listed, with its reason, and the test fails once it is gone. So
   ``stability/`` (plan, options, verdicts, a run on one server: below ``config.py``, which
   builds its options) and ``stability_check/`` (the check of a study folder and its command:
   above ``study.py``) are two rooms on two floors.
@@ -120,7 +120,7 @@ MODULES = dict(_modules())
 #: Packages each module of which is a room of its own (their ``__init__`` imports nothing and
 #: says so): ``service/security.py`` lies below ``export/`` and ``tracking/``, the service's
 #: facade above the study.
-ROOM_FOLDERS = ("optimizer.service", "optimizer.engine")
+ROOM_FOLDERS = ("optimizer.service",)
 
 #: The imports known to run back up a floor, (importer, imported) with the reason. The progress
 #: record of a trial (``trial_io.py``) names a capacity step for the type checker only, while
