@@ -6,7 +6,8 @@ what to fix; long work shows progress; results are printed as tables (rich) or J
 This module builds the parser and runs a command; the commands live with what they drive:
 :mod:`optimizer.cli_engine` (make-model, engine check), :mod:`optimizer.cli_trace` (trace,
 replay), :mod:`optimizer.cli_study` (tune, show, mlflow-sync) and each room's ``command.py``
-(export, stability, regress, spec-sweep; the service's in :mod:`optimizer.service.client`).
+(export, stability, regress, spec-sweep; the service's in :mod:`optimizer.service.client`)
+and :mod:`optimizer.quality_check` (quality).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     from optimizer.stability_check.command import register as register_stability
 
     register_stability(sub)
+    from optimizer.quality_check import register as register_quality
+
+    register_quality(sub)
     from optimizer.regress.command import register as register_regress
 
     register_regress(sub)

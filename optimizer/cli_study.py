@@ -148,14 +148,16 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         if tracker is not None:
             driver.on_event = _chain(on_event, tracker.on_event)
         study = driver.run()
-        if tracker is not None and tracker.finish(study) and tracker.experiment_id:
-            from optimizer.tracking import review_url
-
-            console.print(
-                f"[dim]MLflow runs table: {review_url(tracker.target, tracker.experiment_id)}[/]"
-            )
     finally:
         runner.close()
+    # Before the study's review is written: report.md and MLflow carry the gate's verdicts.
+    _quality_stage(plan, study)
+    if tracker is not None and tracker.finish(study) and tracker.experiment_id:
+        from optimizer.tracking import review_url
+
+        console.print(
+            f"[dim]MLflow runs table: {review_url(tracker.target, tracker.experiment_id)}[/]"
+        )
     console.print(front_table(study))
     from optimizer.analysis.capacity import capacity_answer
 
@@ -173,6 +175,18 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     _stability_stage(plan, ns)
     console.print(f"study folder: {plan.out}  (vllm-autotune show {plan.out})")
     return 0
+
+
+def _quality_stage(plan: Any, study: Any) -> None:
+    """The job's ``quality.enabled``: the quality gate on the feasible front's
+    numeric-changing members, once the trials' servers are down (:mod:`optimizer.quality`)."""
+    if not plan.job.quality.enabled:
+        return
+    from optimizer.quality_check import gate_plan, verdict_table
+
+    done = gate_plan(plan, study, progress=lambda line: console.print(f"[dim]{escape(line)}[/]"))
+    if any(v.levers for _n, v in done):
+        console.print(verdict_table(done))
 
 
 def _stability_stage(plan: Any, ns: argparse.Namespace) -> None:

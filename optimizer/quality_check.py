@@ -1,4 +1,4 @@
-"""The quality gate on a prepared study: its prompts, its servers' environments, its folder.
+"""The quality gate on a prepared study, and ``vllm-autotune quality STUDY_DIR``.
 
 Above the study (it takes a :class:`~optimizer.study.StudyPlan`): the study driver runs
 :func:`gate_plan` before it ends (``quality.enabled``), and ``vllm-autotune quality`` runs it on
@@ -8,9 +8,13 @@ one at a time, beside no trial (on a GPU host: the GPUs this process sees).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+from rich.table import Table
 
 from optimizer.engine.models import model_info
 from optimizer.quality.check import Verdict
@@ -22,7 +26,9 @@ if TYPE_CHECKING:
 
     from optimizer.study import StudyPlan
 
-__all__ = ["gate_plan"]
+__all__ = ["cmd_quality", "gate_plan", "register", "verdict_table"]
+
+_STYLE = {"pass": "green", "fail": "bold red", "skipped": "yellow", "unchanged": "dim"}
 
 
 def gate_plan(
@@ -61,3 +67,71 @@ def gate_plan(
         only=only,
         progress=progress,
     )
+
+
+def verdict_table(done: Sequence[tuple[int, Verdict]]) -> Table:
+    """The gate's verdicts as a table: trial, levers, verdict, agreement, drift, floor, why."""
+    table = Table(title="Quality gate (against the baseline, same weights)")
+    for col in ("trial", "levers", "verdict", "top-1 agr.", "drift", "floor", "why"):
+        table.add_column(
+            col, justify="right" if col in ("trial", "top-1 agr.", "drift", "floor") else "left"
+        )
+    for number, v in done:
+        c, f = v.comparison, v.floor
+        style = _STYLE.get(v.status, "")
+        table.add_row(
+            str(number),
+            escape(", ".join(sorted(v.levers)) or "-"),
+            f"[{style}]{v.status}[/]" if style else v.status,
+            f"{c.top1_agreement:.3f}" if c else "-",
+            f"{c.mean_abs_logprob_diff:.4f}" if c else "-",
+            f"{f.mean_abs_logprob_diff:.4f}" if f else "-",
+            escape(v.reason),
+        )
+    return table
+
+
+def register(sub: Any) -> None:
+    """Add ``quality`` to the main parser's subparsers."""
+    p = sub.add_parser(
+        "quality",
+        help="the quality gate: compare the front's numeric-changing configurations (or "
+        "--trial) with the baseline on the same weights; verdicts kept with the study",
+    )
+    p.add_argument("dir", help="study folder")
+    p.add_argument(
+        "--trial",
+        type=int,
+        action="append",
+        default=None,
+        help="check this trial (repeatable; default: the feasible front until it holds no "
+        "unchecked numeric-changing member)",
+    )
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(ns: argparse.Namespace) -> int:
+    """Exit 0 when nothing checked was refused, 4 when a configuration was."""
+    from optimizer.cli_support import console, load_study_dir
+    from optimizer.config import load_job
+    from optimizer.errors import ConfigError
+    from optimizer.study import prepare
+
+    folder = Path(ns.dir)
+    saved, study = load_study_dir(folder)
+    numbers = {t.number for t in study.get_trials(deepcopy=False)}
+    missing = sorted(set(ns.trial or []) - numbers)
+    if missing:
+        raise ConfigError(
+            f"--trial {missing[0]}: no such trial in {folder} (0..{len(numbers) - 1})"
+        )
+    job, base = load_job(saved["job"], base=folder)
+    plan = prepare(job, base)
+    done = gate_plan(
+        plan, study, only=ns.trial, progress=lambda line: console.print(f"[dim]{escape(line)}[/]")
+    )
+    if not done:
+        console.print("quality gate: the feasible front holds no unchecked configuration")
+        return 0
+    console.print(verdict_table(done))
+    return 4 if any(v.refused for _n, v in done) else 0

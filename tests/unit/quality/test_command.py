@@ -1,0 +1,56 @@
+"""``vllm-autotune quality`` on a study folder made by a real study loop with a FAKE runner (no
+server); the check itself is faked where a test says so (its servers are in
+tests/integration/test_quality_vllm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimizer import cli, study
+from optimizer.quality import stage
+from optimizer.quality.check import Verdict
+from optimizer.trial_view import quality_verdicts
+from tests.unit.test_study_folder import _study
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    real = study.prepare
+    monkeypatch.setattr(study, "prepare", lambda job, base: real(job, base, check_flags=False))
+    return _study(tmp_path, tmp_path / "study", trials=3)
+
+
+def _verdicts(out: Path) -> dict[int, dict[str, Any]]:
+    from optimizer.cli_support import load_study_dir
+
+    return quality_verdicts(load_study_dir(out)[1])
+
+
+def test_the_front_is_checked_once_and_unchanged_members_start_no_server(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["quality", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "unchanged" in out and "Quality gate" in out
+    verdicts = _verdicts(folder)
+    assert verdicts and {v["status"] for v in verdicts.values()} == {"unchanged"}
+    assert not (folder / "quality" / "reference.json").exists()
+    assert cli.main(["quality", str(folder)]) == 0
+    assert "holds no unchecked configuration" in capsys.readouterr().out
+
+
+def test_a_refused_trial_exits_4_and_an_unknown_one_is_named(
+    folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_check(*_a: Any, **_k: Any) -> Verdict:
+        return Verdict("fail", "fake: drift too large", {"kv-cache-dtype": "auto -> fp8"})
+
+    monkeypatch.setattr(stage, "check_configuration", fake_check)
+    assert cli.main(["quality", str(folder), "--trial", "1"]) == 4
+    assert "fake: drift too large" in capsys.readouterr().out
+    assert _verdicts(folder)[1]["status"] == "fail"
+    assert cli.main(["quality", str(folder), "--trial", "99"]) == 2
+    assert "--trial 99: no such trial" in " ".join(capsys.readouterr().err.split())
