@@ -267,8 +267,22 @@ def cmd_show(ns: argparse.Namespace) -> int:
     console.print(status_table(study))
     console.print(front_table(study))
     _print_capacity(answer)
+    _print_quality(study)
     _print_trial_cost(study)
     return 0
+
+
+def _print_quality(study: Any) -> None:
+    """The quality gate's verdicts, refused configurations first (none: nothing printed)."""
+    from optimizer.quality.stage import verdict_lines
+
+    lines = verdict_lines(study)
+    if lines:
+        console.print("[bold]Quality gate[/] (against the baseline on the same weights)")
+        for line in lines:
+            style = "bold red" if ": fail:" in line else "dim" if ": unchanged:" in line else ""
+            text = escape(line)
+            console.print(f"  [{style}]{text}[/]" if style else f"  {text}")
 
 
 def _print_trial_cost(study: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import optuna
 
 from optimizer.analysis.trial_cost import study_cost
-from optimizer.trial_view import CapacityView, TrialView, feasible_front
+from optimizer.trial_view import CapacityView, TrialView, feasible_front, quality_verdicts
 
 __all__ = ["CapacityAnswer", "TrialCapacity", "capacity_answer", "explain_unmet"]
 
@@ -387,6 +387,7 @@ def study_json(
     """A study as one JSON document (``show --json``): every trial and the front."""
     trials = []
     front = {t.number for t in feasible_front(study)}
+    quality = quality_verdicts(study)
     for t in study.get_trials(deepcopy=False):
         v = TrialView(t)
         cap = v.capacity_doc
@@ -408,6 +409,7 @@ def study_json(
                 "startup": v.startup_doc or None,
                 "replay_s": v.replay_s,
                 "pareto": v.number in front,
+                "quality": quality.get(v.number),
             }
         )
     return {

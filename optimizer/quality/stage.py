@@ -31,7 +31,7 @@ from optimizer.trial_view import (
     refused_trials,
 )
 
-__all__ = ["gate_front", "quality_notes", "record_verdict", "settings_of"]
+__all__ = ["gate_front", "quality_notes", "record_verdict", "settings_of", "verdict_lines"]
 
 
 def settings_of(section: QualitySection) -> QualitySettings:
@@ -154,3 +154,10 @@ def quality_notes(study: optuna.Study, trial_number: int) -> list[str]:
             f"{_line(verdicts[trial.number])}"
         )
     return lines
+
+
+def verdict_lines(study: optuna.Study) -> list[str]:
+    """Every verdict of the study, refused ones first (``show``)."""
+    verdicts = quality_verdicts(study)
+    order = sorted(verdicts, key=lambda n: (verdicts[n].get("status") != "fail", n))
+    return [f"trial {n}: {_line(verdicts[n])}" for n in order]

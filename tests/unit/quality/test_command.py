@@ -54,3 +54,28 @@ def test_a_refused_trial_exits_4_and_an_unknown_one_is_named(
     assert _verdicts(folder)[1]["status"] == "fail"
     assert cli.main(["quality", str(folder), "--trial", "99"]) == 2
     assert "--trial 99: no such trial" in " ".join(capsys.readouterr().err.split())
+
+
+def test_show_names_a_refused_configuration_with_its_numbers(
+    folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from optimizer.quality.check import Comparison
+
+    def fake_check(*_a: Any, **_k: Any) -> Verdict:
+        moved = Comparison(64, 0.875, 0.25, 1.5)
+        floor = Comparison(64, 1.0, 0.0, 0.0)
+        return Verdict("fail", "fake: drift", {"kv-cache-dtype": "auto -> fp8"}, moved, floor)
+
+    monkeypatch.setattr(stage, "check_configuration", fake_check)
+    assert cli.main(["quality", str(folder), "--trial", "2"]) == 4
+    capsys.readouterr()
+    assert cli.main(["show", str(folder)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Quality gate" in out
+    assert "trial 2: fail: top-1 agreement 0.875, logprob drift 0.2500 (floor 0.0000)" in out
+    assert cli.main(["show", str(folder), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trials"][2]["quality"]["status"] == "fail"
+    assert doc["trials"][0]["quality"] is None
