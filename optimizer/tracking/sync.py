@@ -67,7 +67,7 @@ from optimizer.tracking.target import (
     review_url,
     target_for_dir,
 )
-from optimizer.trial_view import TrialView, metric_names
+from optimizer.trial_view import TrialView, metric_names, quality_verdicts
 from search_spaces.speculation import stated_acceptance
 
 __all__ = [
@@ -342,6 +342,31 @@ class Syncer:
             run.metrics.update({x.key: x.value for x in m})
             run.tags.update({x.key: x.value for x in t})
 
+    def _sync_quality(self, study: optuna.Study) -> None:
+        """The quality gate's verdict on each checked trial's run: tags ``quality`` and
+        ``quality.reason``, metrics ``quality.top1_agreement``, ``quality.logprob_drift`` and
+        ``quality.floor_drift`` (a refused configuration named with its numbers)."""
+        for number, doc in quality_verdicts(study).items():
+            run = self.children.get(number)
+            if run is None:
+                continue
+            comparison = doc.get("comparison") or {}
+            floor = doc.get("floor") or {}
+            metrics = {
+                name: n
+                for name, value in (
+                    ("quality.top1_agreement", comparison.get("top1_agreement")),
+                    ("quality.logprob_drift", comparison.get("mean_abs_logprob_diff")),
+                    ("quality.floor_drift", floor.get("mean_abs_logprob_diff")),
+                )
+                if (n := finite(value)) is not None
+            }
+            tags = {
+                "quality": str(doc.get("status")),
+                "quality.reason": _tag_value(doc.get("reason", "")),
+            }
+            self._log(run, metrics=metrics, tags=tags)
+
     def sync_trial(self, t: FrozenTrial, front: set[int]) -> bool:
         """Create or update the child run of one finished trial; returns True when created."""
         self.connect()
@@ -525,6 +550,7 @@ class Syncer:
             want = str(number in front).lower()
             if run.tags.get("pareto") != want:
                 self._log(run, tags={"pareto": want})
+        self._sync_quality(study)
         self._progress(study, trials, front)
         digest = hashlib.sha256(
             json.dumps(

@@ -550,3 +550,22 @@ def test_the_headline_says_why_there_is_no_percentage() -> None:
     assert "no feasible configuration beyond the baseline yet" in headline_md([base], {})
     gained = {**best, "gain_pct": {"capacity_rps": 40.0}}
     assert "- capacity_rps: +40.0% (trial 3)" in headline_md([base, gained], best_gains([gained]))
+
+
+def test_a_refused_configuration_is_named_with_its_numbers_in_mlflow(tmp_path: Path) -> None:
+    from optimizer.quality.check import Comparison, Verdict
+    from optimizer.quality.stage import record_verdict
+
+    study, tracker, _ = _run(tmp_path, trials=2)
+    moved, floor = Comparison(64, 0.875, 0.25, 1.5), Comparison(64, 1.0, 0.0, 0.0)
+    verdict = Verdict("fail", "logprob drift 0.2500 over the floor > 0.1 nats", {}, moved, floor)
+    record_verdict(study, study.trials[1], verdict)
+    assert tracker.finish(study)
+    _, children = _runs(tracking.local_tracking_uri(tmp_path / "out"))
+    run = _by_trial(children)[1]
+    assert run.data.tags["quality"] == "fail"
+    assert run.data.tags["quality.reason"].startswith("logprob drift 0.2500")
+    assert run.data.metrics["quality.top1_agreement"] == 0.875
+    assert run.data.metrics["quality.logprob_drift"] == 0.25
+    assert run.data.metrics["quality.floor_drift"] == 0.0
+    assert "quality" not in _by_trial(children)[0].data.tags
