@@ -141,6 +141,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
     weights = ex.parse_weights(ns.weight)
     choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
     _check_service_study(folder, saved, choice, not ns.no_validate)
+    choice, refused = _quality_gate(ns, folder, saved, study, choice, weights)
+    if refused:
+        return refused
     console.print(
         f"policy {choice.policy}: trial {choice.chosen.number} "
         f"changes {choice.changes() or 'nothing'} vs the baseline"
@@ -201,6 +204,64 @@ def cmd_export(ns: argparse.Namespace) -> int:
         ):
             console.print("[dim]logged to the study's MLflow parent run[/]")
     return 0
+
+
+def _quality_gate(
+    ns: argparse.Namespace,
+    folder: Path,
+    saved: dict[str, Any],
+    study: Any,
+    choice: Any,
+    weights: Any,
+) -> tuple[Any, int]:
+    """The quality gate at export: a chosen configuration that changes numerics and was not
+    checked is checked now (re-validation only: ``--no-validate`` runs no server); one the
+    gate refuses is replaced by the policy's next choice, or, named with ``--trial``, refused
+    (exit 4) unless ``--force``. Returns the choice and 0, or the exit status."""
+    from optimizer import export as ex
+    from optimizer.quality.levers import numeric_changes
+    from optimizer.trial_view import TrialView, baseline_of, quality_verdicts
+
+    job = saved.get("job") or {}
+    enabled = bool((job.get("quality") or {}).get("enabled", True))
+    base = baseline_of(study)
+    base_args = TrialView(base).engine_args if base is not None else {}
+    while True:
+        number = choice.chosen.number
+        verdict = quality_verdicts(study).get(number)
+        levers = numeric_changes(choice.chosen.engine_args, base_args)
+        if verdict is None and levers and enabled and not ns.no_validate:
+            from optimizer.config import load_job
+            from optimizer.quality_check import gate_plan
+            from optimizer.study import prepare
+
+            console.print(
+                f"quality gate: trial {number} changes {', '.join(sorted(levers))}: checking "
+                "it against the baseline"
+            )
+            job_config, base_dir = load_job(job, base=folder)
+            gate_plan(
+                prepare(job_config, base_dir),
+                study,
+                only=[number],
+                progress=lambda line: console.print(f"[dim]{line}[/]"),
+            )
+            verdict = quality_verdicts(study).get(number)
+        if verdict is None or verdict.get("status") != "fail":
+            return choice, 0
+        why = f"trial {number} was refused by the quality gate: {verdict.get('reason')}"
+        if choice.policy == "trial":
+            if ns.force:
+                err_console.print(f"[yellow]{why}; exporting it anyway (--force)[/]")
+                return choice, 0
+            err_console.print(f"[bold red]refusing to export:[/] {why} (use --force to export it)")
+            return choice, 4
+        console.print(f"[yellow]{why}; the policy's next choice[/]")
+        try:
+            choice = ex.choose(study, ns.policy, trial_number=ns.trial, weights=weights)
+        except ConfigError as exc:
+            err_console.print(f"[bold red]refusing to export:[/] {exc}")
+            return choice, 4
 
 
 def _stability_gate(ns: argparse.Namespace, folder: Path, trial: int) -> int:

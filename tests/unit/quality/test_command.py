@@ -79,3 +79,31 @@ def test_show_names_a_refused_configuration_with_its_numbers(
     doc = json.loads(capsys.readouterr().out)
     assert doc["trials"][2]["quality"]["status"] == "fail"
     assert doc["trials"][0]["quality"] is None
+
+
+def test_export_picks_the_best_that_passes_and_refuses_a_named_refused_trial(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from optimizer.cli_support import load_study_dir
+    from optimizer.export.choose import select_trial
+    from optimizer.quality.stage import record_verdict
+    from optimizer.trial_view import TrialView
+
+    real = study.prepare
+    monkeypatch.setattr(study, "prepare", lambda job, base: real(job, base, check_flags=False))
+    folder = _study(tmp_path, tmp_path / "big", trials=8)
+    _saved, st = load_study_dir(folder)
+    assert sum(TrialView(t).feasible for t in st.trials) >= 2
+    best = select_trial(st, "max-throughput")
+    record_verdict(st, best, Verdict("fail", "fake: drift", {"kv-cache-dtype": "auto -> fp8"}))
+    out = tmp_path / "e.yaml"
+    argv = ["export", str(folder), "--format", "vllm-config", "--no-validate", "--out", str(out)]
+    assert cli.main(argv) == 0
+    text = out.read_text()
+    assert f"trial {best.number}." not in text.splitlines()[0]
+    assert f"Refused by the quality gate: trial {best.number}" in text
+    named = [*argv, "--trial", str(best.number)]
+    capsys.readouterr()
+    assert cli.main(named) == 4
+    assert "refused by the quality gate" in " ".join(capsys.readouterr().err.split())
+    assert cli.main([*named, "--force"]) == 0
