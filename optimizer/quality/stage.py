@@ -150,7 +150,7 @@ def quality_notes(study: optuna.Study, trial_number: int) -> list[str]:
     for trial in refused_trials(study):
         named = ", ".join(sorted(numeric_changes(TrialView(trial).engine_args, base_args)))
         lines.append(
-            f"Refused by the quality gate: trial {trial.number} ({named}): "
+            f"Refused by the quality gate: trial {trial.number}{f' ({named})' if named else ''}: "
             f"{_line(verdicts[trial.number])}"
         )
     return lines

@@ -107,6 +107,13 @@ class Admission:
                 "stability.after_study: ignored; the service runs no stability stage (run "
                 "`vllm-autotune stability` on the study folder)"
             )
+        quality = doc.get("quality")
+        if isinstance(quality, dict) and quality.get("eval_set") is not None:
+            # A file of this machine: another team's included.
+            raise ConfigError(
+                "quality.eval_set: the service reads no eval set from its machine; remove the "
+                "key (the gate still compares each configuration with the baseline)"
+            )
         if doc.get("warm_start") is not None:
             # Folders of earlier studies: paths of this machine, another team's included.
             raise ConfigError(

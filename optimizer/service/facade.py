@@ -14,6 +14,7 @@ store and the study's Optuna storage. Exports go through the same use case as th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.config import JobConfig, load_job
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
+from optimizer.quality.stage import quality_notes
 from optimizer.service import security
 from optimizer.service.admission import Admission, Upload, prepare_check
 from optimizer.service.auth import DEFAULT_TEAM, Principal
@@ -49,7 +51,7 @@ from optimizer.service.store import (
 )
 from optimizer.service.submissions import CheckSlots, Submission
 from optimizer.service.validations import Validation, ValidationQueue
-from optimizer.trial_view import TrialView, metric_names
+from optimizer.trial_view import TrialView, metric_names, refused_trials
 
 __all__ = ["ExportResult", "JobService", "Upload", "Validator"]
 
@@ -492,6 +494,13 @@ class JobService(Admission):
         from optimizer import export as ex
 
         study, saved, choice = self._choice(rec, policy, trial, weights)
+        refused = {t.number for t in refused_trials(study)}
+        if choice.chosen.number in refused and not force:
+            raise SubmissionRefused(
+                f"refusing to export: trial {choice.chosen.number} was refused by the quality "
+                "gate (force=true exports anyway)",
+                status=409,
+            )
         if validate:
             self._validatable(choice)
             gain, problems = self.validator(rec, study, choice, runs, force)
@@ -502,7 +511,9 @@ class JobService(Admission):
                 )
         else:
             gain = ex.unvalidated_gain(study, choice)
-        text = ex.render(fmt, ex.context(saved, choice, gain, job=rec.job, study_name=rec.name))
+        ctx = ex.context(saved, choice, gain, job=rec.job, study_name=rec.name)
+        notes = quality_notes(study, choice.chosen.number)
+        text = ex.render(fmt, dataclasses.replace(ctx, notes=(*ctx.notes, *notes)))
         exports = list(study.user_attrs.get("exports", []))
         exports.append(
             {

@@ -404,3 +404,23 @@ def test_validation_errors_of_parameters_never_echo_unprintable_input(client: Te
     r = client.post("/v1/studies/x/export?format=%ED%A0%80", headers=AUTH)
     assert r.status_code == 422
     assert all(line.isprintable() for line in r.json()["detail"].split("\n")), r.text
+
+
+def test_a_service_export_honours_the_quality_gate(service: JobService) -> None:
+    """A configuration the gate refused is not exported by its number (409) unless forced,
+    and the export header names it."""
+    from optimizer.errors import SubmissionRefused
+    from optimizer.quality.check import Verdict
+    from optimizer.quality.stage import record_verdict
+    from optimizer.service.submissions import Submission
+
+    sid = service.submit(Submission(job=job_doc("gated")))[0].id
+    service.scheduler.tick()
+    service.scheduler.tick()
+    study = fake_study(service, sid)
+    record_verdict(study, study.trials[1], Verdict("fail", "fake: drift", {"kv-cache-dtype": "x"}))
+    with pytest.raises(SubmissionRefused, match="refused by the quality gate") as refused:
+        service.export(sid, "vllm-config", policy="trial", trial=1)
+    assert refused.value.status == 409
+    forced = service.export(sid, "vllm-config", policy="trial", trial=1, force=True)
+    assert "Refused by the quality gate: trial 1" in forced.text and "fake: drift" in forced.text

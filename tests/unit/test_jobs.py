@@ -261,6 +261,8 @@ def test_submission_checks_roots_overrides_and_uploads(tmp_path: Path) -> None:
         svc.submit(Submission(job=job_doc(engine={"python": "/bin/sh"})))
     with pytest.raises(ConfigError, match=r"engine\.cpus"):
         svc.submit(Submission(job=job_doc(engine={"cpus": [0]})))
+    with pytest.raises(ConfigError, match=r"quality\.eval_set"):
+        svc.submit(Submission(job=job_doc(quality={"eval_set": "/etc/passwd"})))
     with pytest.raises(ConfigError, match="LD_PRELOAD"):
         svc.submit(Submission(job=job_doc(engine={"env": {"LD_PRELOAD": "/tmp/x.so"}})))
 
