@@ -217,16 +217,11 @@ def _refuse_memory_params_that_cannot_act(job: JobConfig, space: SearchSpace, is
         raise ConfigError(f"job {job.name!r}: {conflict}")
 
 
-def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
-    """Validate a job completely and build its plan; nothing is started.
+def _make_model(job: JobConfig) -> None:
+    """The job's model folder made (``model.make``) when it is missing or its weights' seed
+    differs."""
+    from optimizer.engine.models import make_model, needs_making
 
-    Raises:
-        ConfigError: Anything wrong with the job, its trace, its space or its flags.
-    """
-    from optimizer.engine.flags import installed_vllm
-    from optimizer.engine.models import make_model, model_info, needs_making
-
-    out = job.output_dir(base)
     model = job.model.path
     if job.model.make and needs_making(model, job.model.weights_seed):
         make_model(
@@ -235,6 +230,34 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
             max_model_len=job.model.max_model_len,
             weights_seed=job.model.weights_seed,
         )
+
+
+def _with_server_cpus(job: JobConfig, env: dict[str, str], is_cpu: bool) -> dict[str, str]:
+    """The server's environment with the job's ``engine.cpus`` (unchanged without them).
+
+    Raises:
+        ConfigError: Cores this machine does not have (or cannot give the server).
+    """
+    if not job.engine.cpus:
+        return env
+    problem = cpus_problem(job.engine.cpus)
+    if problem:
+        raise ConfigError(problem)
+    return server_cpus_env(job.engine.cpus, env, cpu_build=is_cpu)
+
+
+def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPlan:
+    """Validate a job completely and build its plan; nothing is started.
+
+    Raises:
+        ConfigError: Anything wrong with the job, its trace, its space or its flags.
+    """
+    from optimizer.engine.flags import installed_vllm
+    from optimizer.engine.models import model_info
+
+    out = job.output_dir(base)
+    model = job.model.path
+    _make_model(job)
 
     shaped, notes = _shaped_trace(job)
     space = _job_space(job)
@@ -251,12 +274,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         cpu_build=is_cpu,
         kv_cache_gib=job.engine.kv_cache_gib,
     )
-    engine_args, env = defaults.args, defaults.env
-    if job.engine.cpus:
-        problem = cpus_problem(job.engine.cpus)
-        if problem:
-            raise ConfigError(problem)
-        env = server_cpus_env(job.engine.cpus, env, cpu_build=is_cpu)
+    engine_args, env = defaults.args, _with_server_cpus(job, defaults.env, is_cpu)
     local_model = Path(model).is_dir()
     baseline = {
         **engine_args,
