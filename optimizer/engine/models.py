@@ -279,6 +279,33 @@ def needs_making(directory: str | Path, weights_seed: int | None) -> bool:
     return weights_seed is not None and weights_seed_of(folder) != weights_seed
 
 
+def _write_tokenizer(out: Path, spec: dict[str, Any], special: dict[int, str], preset: str) -> None:
+    """The folder's tokenizer files: the local tokenizer, its config and special tokens."""
+    tok = _build_tokenizer(int(spec["vocab_size"]), special)
+    tok.save(str(out / "tokenizer.json"))
+    bos, eos = special[spec["bos_token_id"]], special[spec["eos_token_id"]]
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": bos,
+                "eos_token": eos,
+                "pad_token": eos,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": spec["max_position_embeddings"],
+                "vllm_autotune_preset": preset,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
+    )
+
+
 def make_model(
     directory: str | Path,
     preset: str = "tiny",
@@ -335,29 +362,7 @@ def make_model(
         )
         + "\n"
     )
-    tok = _build_tokenizer(int(spec["vocab_size"]), special)
-    tok.save(str(out / "tokenizer.json"))
-    bos, eos = special[spec["bos_token_id"]], special[spec["eos_token_id"]]
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": bos,
-                "eos_token": eos,
-                "pad_token": eos,
-                "add_bos_token": False,
-                "add_eos_token": False,
-                "clean_up_tokenization_spaces": False,
-                "model_max_length": spec["max_position_embeddings"],
-                "vllm_autotune_preset": preset,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
-    )
+    _write_tokenizer(out, spec, special, preset)
     if weights_seed is not None:
         write_seeded_weights(out, weights_seed)
     else:

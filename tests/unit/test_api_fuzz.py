@@ -181,7 +181,12 @@ _JOB = job_doc(
     ray_address="ray://head:10001",
     mlflow={"enabled": False, "tracking_uri": "http://mlflow:5000", "experiment": "e"},
     sampler={"name": "random"},
-    trace={"path": str(TRACE), "format": "auto", "shaping": {"window_s": [0, 10]}},
+    trace={
+        "path": str(TRACE),
+        "format": "auto",
+        "shaping": {"window_s": [0, 10]},
+        "client_priority": "nice",
+    },
     engine={
         "env": {"HF_TOKEN": "hf_secret", "VLLM_LOGGING_LEVEL": "INFO"},
         "args": {"kv-cache-dtype": "auto"},
@@ -194,8 +199,8 @@ _JOB = job_doc(
     enqueue=[{"kv-cache-dtype": "fp8"}],
 )
 #: Jobs with the string fields that cannot share one valid job: a preset (or a preset space),
-#: a made model, a sampler's startup, an engine interpreter and earlier study folders (refused,
-#: but strings).
+#: a made model, a sampler's startup, an engine interpreter, earlier study folders and an eval
+#: set (refused, but strings).
 _OTHER_JOBS = [
     job_doc(
         "fuzz-other",
@@ -208,6 +213,7 @@ _OTHER_JOBS = [
         "fuzz-refused",
         engine={"python": "python3"},
         warm_start={"studies": ["earlier"]},
+        quality={"eval_set": "evals.jsonl"},
     ),
 ]
 _PATHS = [*_paths({"job": _JOB}), ("job", "extra"), ("not_before",), ("trace_upload",)]
