@@ -3,8 +3,10 @@
 ``RayRunner`` runs each trial in its own Ray actor that asks for ``num_gpus`` = tensor x
 pipeline parallel size; the vLLM server is a child process of the actor and inherits the
 ``CUDA_VISIBLE_DEVICES`` Ray assigned, so concurrent trials never share a GPU. Killing the actor
-(cancel, timeout) kills its server too: the engine guard watches the actor process. A local Ray
-is started by default; an address joins a cluster. ``LocalRunner`` runs trials in a thread of the
+(cancel, timeout) kills its server too: the engine guard watches the actor process. A private
+local Ray is started by default, never one the machine registered; an address joins a cluster.
+Ray's auto-init is off wherever this module loads Ray: no Ray call starts or joins a cluster
+but :func:`start_ray`. ``LocalRunner`` runs trials in a thread of the
 driver (one at a time), for debugging and for machines where Ray is unwanted.
 
 The service's Ray needs live here too, behind small functions: :class:`ClusterLossGuard` (a
@@ -20,6 +22,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +38,7 @@ __all__ = [
     "LocalRunner",
     "RayRunner",
     "TrialRunner",
+    "ray_node",
     "serve_api_priority",
     "serve_deployment",
     "serve_run",
@@ -59,6 +63,20 @@ _SERVE_PROXY_PREFIX = "SERVE_PROXY_ACTOR"
 _SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"
 
 log = logging.getLogger(__name__)
+
+
+def _no_auto_init() -> None:
+    """Ray's auto-init off in this process (call it after ``import ray``).
+
+    A Ray call made before ``ray.init`` (``ray.get_gpu_ids()``, ``ray.get``, ...) would
+    otherwise start a cluster, or join the one the machine registered (live, or dead: then it
+    waits on the dead cluster's GCS for minutes). Off, such a call raises at once: Ray is
+    started or joined only by :func:`start_ray`. Inside an actor Ray is up, and nothing
+    changes.
+    """
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
 
 
 class _Handle:
@@ -168,6 +186,8 @@ class _TrialActor:
     def environment(self) -> dict[str, Any]:
         import ray
 
+        _no_auto_init()
+
         return {
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -177,24 +197,45 @@ class _TrialActor:
 
 def _record_placement(server: Any, path: Path) -> None:
     """Write where the trial's healthy server runs (:func:`optimizer.engine.gpus.placement`):
-    the actor's ``CUDA_VISIBLE_DEVICES`` and Ray GPU ids beside ``nvidia-smi``'s processes.
-    Never fails the trial."""
+    the Ray node (:func:`ray_node`), the actor's ``CUDA_VISIBLE_DEVICES`` and Ray GPU ids
+    beside ``nvidia-smi``'s processes. Never fails the trial; outside an actor, with no Ray
+    up, it records no Ray GPU ids and no node and starts no Ray."""
     import json
-
-    import ray
 
     from optimizer.engine.gpus import placement
     from optimizer.engine.process import group_alive_pids
 
     try:
+        import ray
+
+        _no_auto_init()
         pgid = getattr(server, "pgid", None)
         pids = group_alive_pids(pgid) if pgid is not None else []
-        doc = placement(pids, os.environ, ray.get_gpu_ids())
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        doc = {**ray_node(), **placement(pids, os.environ, gpu_ids)}
         doc["server_pids"] = pids
         path.write_text(json.dumps(doc, indent=2) + "\n")
     except Exception as exc:  # a record, not a measurement: the trial goes on
         with contextlib.suppress(OSError):
             path.write_text(json.dumps({"error": repr(exc)}) + "\n")
+
+
+def ray_node() -> dict[str, str | None]:
+    """This process's Ray node as Ray reports it: ``node_id``, ``node_ip`` (the address its
+    raylet registered) and ``node_hostname``; None for each without a Ray up here."""
+    import ray
+
+    _no_auto_init()
+    if not ray.is_initialized():
+        return {"node_id": None, "node_ip": None, "node_hostname": None}
+    node_id: str = ray.get_runtime_context().get_node_id()
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    me = next((n for n in nodes if n.get("NodeID") == node_id), {})
+    return {
+        "node_id": node_id,
+        "node_ip": me.get("NodeManagerAddress"),
+        "node_hostname": me.get("NodeManagerHostname"),
+    }
 
 
 def _prepare_next(spec: TrialSpec) -> Any:
@@ -249,6 +290,8 @@ class RayRunner:
         engine_factory: Callable[[TrialSpec], Any] | None = None,
     ) -> None:
         import ray
+
+        _no_auto_init()
 
         self._ray = ray
         start_ray(address, log_to_driver=False)
@@ -326,6 +369,10 @@ class RayRunner:
 # --- the cluster --------------------------------------------------------------------------------
 
 _LOOPBACK = ("127.0.0.1", "::1")
+#: Ray's address that starts a new local cluster whatever the machine has registered.
+_PRIVATE_CLUSTER = "local"
+#: How long a cluster's GCS may take to accept a connection before it counts as not answering.
+_ANSWER_TIMEOUT_S = 10.0
 #: Ray's switch for multi-node clusters (on by default on Linux). Off, Ray's node address is
 #: the loopback one and its servers (GCS, raylet, object manager, workers, agents) listen on
 #: it only; on, Ray replaces a loopback ``_node_ip_address`` by the machine's address and its
@@ -346,24 +393,36 @@ def _single_node_ray() -> None:
 def start_ray(
     address: str | None = None, *, host: str | None = None, log_to_driver: bool = True
 ) -> None:
-    """Join the cluster at ``address``, or start a local one (nothing when Ray is up already).
+    """Join the cluster at ``address``, or start a private one (nothing when Ray is up already).
+
+    Without an address the cluster is this process's own, whatever the machine has
+    registered: ``ray.init()`` without one joins the cluster named in Ray's
+    ``ray_current_cluster`` file (the last ``ray start`` on the machine, live or long dead) or
+    ``RAY_ADDRESS``, so a study would land on someone else's cluster, or fail to start
+    ("object_store_memory must not be provided"), or wait on a dead one. Ray's own ``"local"``
+    address starts a new cluster always; a running one is joined only when asked (an address,
+    ``auto`` included).
 
     Args:
-        address: A Ray cluster to join; None starts a local one.
-        host: A local cluster's address (deploy/SERVICE.md, "Limits"); a loopback one keeps
+        address: A Ray cluster to join (``auto``: the one the machine registered, or
+            ``RAY_ADDRESS``); None starts a private one.
+        host: A private cluster's address (deploy/SERVICE.md, "Limits"); a loopback one keeps
             every Ray server on loopback.
         log_to_driver: Stream workers' logs to this process.
     """
     import ray
 
+    _no_auto_init()
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": False}
     if not log_to_driver:
         kwargs["log_to_driver"] = False
     if address:
+        _check_answers(address)
         ray.init(address=address, **kwargs)
         return
+    kwargs["address"] = _PRIVATE_CLUSTER
     if host is not None and host not in ("0.0.0.0", "::"):
         node_ip = "127.0.0.1" if host == "localhost" else host
         kwargs.update(_node_ip_address=node_ip, dashboard_host=node_ip)
@@ -387,9 +446,40 @@ def start_ray(
         auth.setLevel(level)
 
 
+def _check_answers(address: str) -> None:
+    """A clear error, at once, when no Ray cluster answers at ``address`` (``auto``: the one
+    the machine registered, or ``RAY_ADDRESS``): ``ray.init`` would wait on a dead cluster's
+    GCS for minutes, saying nothing. Ray client addresses (``ray://``) are left to Ray."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from optimizer.errors import ConfigError
+
+    if "://" in address:
+        return
+    try:
+        found = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as exc:
+        raise ConfigError(f"Ray address {address!r}: {exc}") from None
+    host, _, port = (found or "").rpartition(":")
+    if not host or not port.isdigit() or "://" in host:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), _ANSWER_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        named = address if found == address else f"{address!r}, which names {found}"
+        raise ConfigError(
+            f"no Ray cluster answers at {named} ({exc.strerror or exc}): start it, or give the "
+            "address of a running one; without --ray-address the tuner starts a cluster of its "
+            "own"
+        ) from None
+
+
 def cluster_gpus() -> int:
     """GPUs the Ray cluster has."""
     import ray
+
+    _no_auto_init()
 
     resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
     return int(resources.get("GPU", 0))
@@ -398,6 +488,8 @@ def cluster_gpus() -> int:
 def own_node_alive(timeout_s: float) -> bool:
     """Whether the cluster answers, within ``timeout_s``, that this process's node is alive."""
     import ray
+
+    _no_auto_init()
 
     answer: list[bool] = []
 
@@ -447,6 +539,8 @@ class ClusterLossGuard:
     def _judge(self, exc: BaseException, out: Any) -> None:
         import ray
 
+        _no_auto_init()
+
         if (
             isinstance(exc, ray.exceptions.RayActorError)
             and not self._cancelling()
@@ -481,6 +575,8 @@ class DetachedActors:
 
     def __init__(self, cls: type, namespace: str, *, max_concurrency: int = 4) -> None:
         import ray
+
+        _no_auto_init()
 
         self._ray = ray
         self._namespace = namespace
@@ -582,6 +678,8 @@ def serve_api_priority(app: str, niceness: int | None = None) -> dict[str, dict[
     again.
     """
     import ray
+
+    _no_auto_init()
 
     def renice(_actor: Any, to: int | None) -> dict[str, Any]:
         # Runs in the actor's process (a local function: pickled by value, imports nothing).
