@@ -7,7 +7,10 @@ the trace's size, and the plan check (:func:`~optimizer.study.prepare` without s
 anything), whose failures quote none of the trace.
 
 :class:`Admission` holds these checks for :class:`~optimizer.service.facade.JobService`, which
-mixes it in and owns the attributes they read (settings, roots, model roots, the plan check).
+mixes it in, and for the service's check processes
+(:mod:`optimizer.service.check_workers`), which run them on a body as received
+(:meth:`Admission.admit_body`: parsed, checked, the upload stored) and hand back only what the
+job's record needs (:class:`Admitted`).
 """
 
 from __future__ import annotations
@@ -18,35 +21,72 @@ import contextlib
 import ctypes
 import functools
 import gc
+import json
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from optimizer.config import JobConfig
+from optimizer.config import JobConfig, load_job
 from optimizer.errors import ConfigError, SubmissionRefused, TraceError
 from optimizer.service import security
 from optimizer.service.settings import ServiceSettings
-from optimizer.service.submissions import Submission, safe_filename, save_upload
+from optimizer.service.submissions import (
+    Body,
+    Submission,
+    Upload,
+    read_body,
+    safe_filename,
+    save_upload,
+)
 from optimizer.text import escape_controls
 from search_spaces.schema import is_preset_name
 
-__all__ = ["Admission", "Upload", "prepare_check"]
+__all__ = ["Admission", "Admitted", "Upload", "prepare_check"]
 
 log = logging.getLogger(__name__)
-
-#: A trace sent with a submission: its file name and its bytes, or a binary file to copy
-#: them from (a multipart part already spooled to disk).
-Upload = tuple[str, bytes | IO[bytes]]
 
 #: Largest search-space file the service reads.
 _MAX_SPACE_BYTES = 1024**2
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A submission that passed every check: what its job record is made of (picklable: it
+    comes back from a check process).
+
+    Attributes:
+        name: The job's name.
+        job: The job as loaded and placed (JSON-safe).
+        base: The job's base folder.
+        storage_url: The study's Optuna storage.
+        out: The study's folder.
+        not_before: The submission's ``not_before``.
+        until: The submission's ``until``.
+        notes: What the service changed in the job.
+    """
+
+    name: str
+    job: dict[str, Any]
+    base: str
+    storage_url: str
+    out: str
+    not_before: datetime | None = None
+    until: datetime | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 class Admission:
     """The checks a submission passes before :meth:`JobService.submit
     <optimizer.service.facade.JobService.submit>` queues it (a mixin of
-    :class:`~optimizer.service.facade.JobService`, which sets these attributes)."""
+    :class:`~optimizer.service.facade.JobService`; on its own, what a check process runs).
+
+    Args:
+        settings: The service's settings.
+        check_plan: The plan check (see :class:`~optimizer.service.facade.JobService`).
+    """
 
     settings: ServiceSettings
     check_plan: Callable[[JobConfig, Path], None]
@@ -54,6 +94,62 @@ class Admission:
     roots: list[Path]
     models_dir: Path
     model_roots: list[Path]
+
+    def __init__(
+        self, settings: ServiceSettings, check_plan: Callable[[JobConfig, Path], None]
+    ) -> None:
+        self.settings = settings
+        self.check_plan = check_plan
+        self.data_dir = Path(settings.data_dir).resolve()
+        self.roots = [Path(r).expanduser().resolve() for r in settings.trace_roots]
+        self.models_dir = self.data_dir / "models"  # made models: models_dir/TEAM, its own
+        self.model_roots = [Path(r).expanduser().resolve() for r in settings.model_roots]
+
+    def upload_dir(self, job_id: str) -> Path:
+        """Where job ``job_id``'s uploaded trace is stored (removed if it is refused)."""
+        return self.data_dir / "uploads" / job_id
+
+    def admit_body(self, job_id: str, team: str, body: Body) -> Admitted:
+        """:meth:`admit` on a body as the API received it, parsed here (a JSON or YAML body
+        at most :data:`~optimizer.service.security.MAX_BODY_BYTES`, a multipart ``job`` part
+        too: what parsing a job may cost is bounded)."""
+        job_limit = min(self.settings.max_upload_bytes, security.MAX_BODY_BYTES)
+        with read_body(body, job_limit) as (sub, upload):
+            return self.admit(job_id, team, sub, upload)
+
+    def admit(self, job_id: str, team: str, sub: Submission, upload: Upload | None) -> Admitted:
+        """Every check of a submission of ``team`` that will be job ``job_id``: the document's
+        limits and text, the upload stored, the keys the service decides, the job loaded, its
+        files, space and trace size, the plan check.
+
+        Raises:
+            ConfigError: An invalid job (the message names the key and the fix).
+            SubmissionRefused: A file outside the allowed roots, or an oversize upload.
+        """
+        upload_dir = self.upload_dir(job_id)
+        security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
+        # One rule for every key and string of the job, before any of it is used or echoed
+        # (keys the service replaces, such as out or storage, included).
+        security.check_text(sub.job)
+        doc = json.loads(json.dumps(sub.job, default=str))
+        notes = self._store_upload(doc, sub, upload, upload_dir)
+        notes += self._service_owned_keys(doc, job_id, team)
+        job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
+        # the model path as given: load_job resolves a relative one that exists beside its base
+        job = self._check_files(job, upload_dir, str(doc["model"]["path"]), team)
+        self._check_space(job)
+        self._check_trace_size(job, upload_dir)
+        self._prepare(job, base)
+        return Admitted(
+            name=job.name,
+            job=job.model_dump(mode="json"),
+            base=str(base),
+            storage_url=job.storage_url(base),
+            out=str(job.output_dir(base)),
+            not_before=sub.not_before,
+            until=sub.until,
+            notes=notes,
+        )
 
     def _under_roots(self, path: str | Path, extra: Iterable[Path] = ()) -> bool:
         return security.under(path, [*self.roots, *extra])
