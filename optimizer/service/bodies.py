@@ -12,7 +12,12 @@ ASGI middleware of the app, bounds both what such a request may take and how man
 - **slots**: a request that declares a body and carries a valid token counts against its
   team (at most ``bodies_per_team``) and against all teams (``bodies_in_flight``, below the
   replica's slots) from its first byte to its last; beyond either it is answered 429 at once,
-  before any of its body is read.
+  before any of its body is read;
+- **checks**: a submission (``POST /v1/studies``) while its team's check slots, or all
+  teams', are full (:class:`~optimizer.service.submissions.CheckSlots`) is answered their 429
+  at once too, before any of its body is read: a 7.6 MB upload was read in full, through
+  Serve's proxy, only to be refused. The slot itself is taken once the body is in, so a body
+  still arriving holds none (a slow one would otherwise keep a team's submissions out).
 
 A request without a valid token is not counted: the app answers it 401 without reading its
 body. Neither answer reads the rest of the body; the connection is closed. A client that
@@ -32,8 +37,12 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 
 from optimizer.service.auth import TokenEntry, authenticate
+from optimizer.service.submissions import CheckSlots
 
-__all__ = ["BodyGuard", "BodyLimits", "BodyTimeout"]
+__all__ = ["SUBMIT_PATH", "BodyGuard", "BodyLimits", "BodyTimeout"]
+
+#: The route whose bodies are submissions (checked in a check slot).
+SUBMIT_PATH = "/v1/studies"
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -79,6 +88,14 @@ def _declares_body(scope: Scope) -> bool:
     return length is not None and length.strip() not in (b"", b"0")
 
 
+def _is_submission(scope: Scope) -> bool:
+    """A POST to :data:`SUBMIT_PATH` (below the app's root path, where it has one)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return scope.get("method") == "POST" and path == SUBMIT_PATH
+
+
 def _bearer(scope: Scope) -> str | None:
     raw = _header(scope, b"authorization")
     if raw is None:
@@ -108,6 +125,8 @@ class BodyGuard:
         app: The application.
         entries: The accepted tokens (a body counts against its token's team).
         limits: The bounds.
+        checks: The service's check slots (a submission is refused before its body while
+            its team's, or all teams', are full); None: not asked.
         clock: Monotonic seconds (tests).
     """
 
@@ -117,11 +136,13 @@ class BodyGuard:
         *,
         entries: Sequence[TokenEntry],
         limits: BodyLimits,
+        checks: CheckSlots | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self._entries = tuple(entries)
         self.limits = limits
+        self._checks = checks
         self._clock = clock
         self.held: Counter[str] = Counter()  # bodies in flight, by team
 
@@ -140,6 +161,10 @@ class BodyGuard:
             refusal = self._refusal(team)
             if refusal is not None:
                 await _answer(send, 429, refusal, retry_after=1)
+                return
+            full = self._checks.refusal(team) if self._checks and _is_submission(scope) else None
+            if full is not None:
+                await _answer(send, 429, str(full), retry_after=full.retry_after_s)
                 return
             self.held[team] += 1
         await self._guarded(scope, receive, send, team)
