@@ -14,6 +14,9 @@ One room per job (import the module you need; this package imports nothing):
 - :mod:`.facade`: everything the API does, without HTTP (submit, show, cancel, export);
 - :mod:`.admission`: what the facade accepts of a submission before it is queued (roots,
   models, the keys the service decides, the plan check);
+- :mod:`.check_workers`: the processes that parse and check submissions off the replica;
+- :mod:`.bodies`: slow request bodies timed and bounded, a submission refused before its body
+  while its team's check slots are full;
 - :mod:`.api`: the HTTP API and its Ray Serve deployment;
 - :mod:`.client`: the commands (``serve``, ``token``) and a thin HTTP client (``submit``, ...).
 """

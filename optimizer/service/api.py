@@ -8,10 +8,13 @@ cluster. Every route but ``/healthz`` wants ``Authorization: Bearer TOKEN``;
 the replica keeps only SHA-256 digests of the tokens. Request bodies are read with a size cap
 (413 above it; a JSON or YAML job body, and a multipart `job` part, at most
 :data:`~optimizer.service.security.MAX_BODY_BYTES`, its parse bounded); a multipart body is
-parsed as it streams in, its trace part spooled to disk in a worker thread (never the whole
-body in memory, never a long stretch of work on the event loop). Every body must arrive in
-time, and a team may be sending only a few at once (408, 429: :mod:`optimizer.service.bodies`),
-so slow bodies never hold the replica's request slots. A re-validated export is a validation
+written to a temporary file as it streams in (never the whole body in memory). The replica
+parses and checks none of it: a submission is parsed and checked in one of the replica's
+check processes (:mod:`optimizer.service.check_workers`), the replica only storing what passed.
+Every body must arrive in time, and a team may be sending only a few at once (408, 429:
+:mod:`optimizer.service.bodies`), so slow bodies never hold the replica's request slots; a
+submission is refused (429) before its body is read while its team's check slots are full. A
+re-validated export is a validation
 queued off the request path (202, then polled:
 :mod:`optimizer.service.validations`). Errors map to statuses in one place: an invalid job is
 422 with the job file loader's message (the key's path and the fix), a file outside the
@@ -21,10 +24,11 @@ validation queue 429.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,8 +37,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.datastructures import FormData, UploadFile
-from starlette.types import Message
 
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
 from optimizer.export import FORMATS, POLICIES, parse_weights
@@ -46,13 +48,14 @@ from optimizer.service.auth import (
     read_token_file,
 )
 from optimizer.service.bodies import BodyGuard, BodyLimits
-from optimizer.service.facade import ExportResult, JobService, Upload
+from optimizer.service.check_workers import check_processes
+from optimizer.service.facade import ExportResult, JobService
 from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import MAX_BODY_BYTES
 from optimizer.service.settings import DEFAULT_MAX_TRACE_ROWS, REPLICA_SLOTS, ServiceSettings
 from optimizer.service.store import JobStore
 from optimizer.service.study_host import RayDriverLauncher
-from optimizer.service.submissions import Submission, parse_body, parse_submission
+from optimizer.service.submissions import Body
 
 __all__ = [
     "APP_NAME",
@@ -188,77 +191,45 @@ def _map_errors(app: FastAPI) -> None:
         return _error(413, f"{exc.what} is limited to {exc.limit} bytes")
 
 
-def _capped(request: Request, limit: int) -> Request:
-    """``request`` whose body stream refuses (413) as soon as it passes ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge(limit)
-    received = 0
-
-    async def receive() -> Message:
-        nonlocal received
-        message = await request.receive()
-        received += len(message.get("body", b""))
-        if received > limit:
-            raise _TooLarge(limit)
-        return message
-
-    return Request(request.scope, receive)
+#: Bytes of a multipart body gathered before they are written to its file (in a worker
+#: thread: the event loop never waits for the disk).
+_SPOOL_WRITE = 1024**2
 
 
 @asynccontextmanager
-async def _read_submission(
-    request: Request, limit: int
-) -> AsyncIterator[tuple[Submission, Upload | None]]:
-    """A submission and its uploaded trace from a multipart body of at most ``limit`` bytes,
-    or a JSON or YAML one of at most :data:`~optimizer.service.security.MAX_BODY_BYTES` (the
-    job part of a multipart body too: what parsing a job may cost is bounded); a multipart
-    trace part is a file spooled to disk, deleted on exit."""
+async def _received(request: Request, limit: int) -> AsyncIterator[Body]:
+    """A submission's body as it arrives, nothing of it parsed here: a JSON or YAML body of at
+    most :data:`~optimizer.service.security.MAX_BODY_BYTES` in memory; a multipart body of at
+    most ``limit`` bytes written to a temporary file as it streams in (removed on exit), so
+    the replica never holds it. Parsing and every check happen where the body is checked
+    (:meth:`JobService.submit_body <optimizer.service.facade.JobService.submit_body>`)."""
     ctype = request.headers.get("content-type", "")
-    job_limit = min(limit, MAX_BODY_BYTES)
     if not ctype.startswith("multipart/form-data"):
-        body = await _read_body(request, job_limit)
-        yield await run_in_threadpool(_parse_submission, body, ctype), None
+        yield Body(ctype, data=await _read_body(request, min(limit, MAX_BODY_BYTES)))
         return
-    # Parsed as it streams in; file parts go to temporary files in a worker thread.
-    form = await _capped(request, limit).form(max_files=2, max_fields=8, max_part_size=job_limit)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(limit)
+    fd, path = tempfile.mkstemp(prefix="vllm-autotune-body-")
     try:
-        yield await _form_submission(form, job_limit)
+        with os.fdopen(fd, "wb") as out:
+            size = 0
+            pending: list[bytes] = []
+            gathered = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _TooLarge(limit)
+                pending.append(chunk)
+                gathered += len(chunk)
+                if gathered >= _SPOOL_WRITE:
+                    await run_in_threadpool(out.writelines, pending)
+                    pending, gathered = [], 0
+            await run_in_threadpool(out.writelines, pending)
+        yield Body(ctype, path=path)
     finally:
-        await form.close()
-
-
-def _parse_submission(body: bytes, content_type: str) -> Submission:
-    """A JSON or YAML body's submission (in a worker thread: a large YAML body takes long)."""
-    return parse_submission(parse_body(body, content_type))
-
-
-async def _form_submission(form: FormData, job_limit: int) -> tuple[Submission, Upload | None]:
-    """The submission of a multipart form: its `job` part (at most ``job_limit`` bytes),
-    time window and `trace` file."""
-    part = form.get("job")
-    if part is None:
-        raise ConfigError("multipart submission: the `job` part is missing")
-    if isinstance(part, UploadFile):
-        raw, part_type = await part.read(job_limit + 1), part.content_type or ""
-        if len(raw) > job_limit:
-            raise _TooLarge(job_limit, "the multipart `job` part")
-    else:
-        raw, part_type = part.encode(), ""
-    sub = await run_in_threadpool(_parse_submission, raw, part_type)
-    window: dict[str, Any] = {}
-    for key in ("not_before", "until"):
-        value = form.get(key)
-        if isinstance(value, str) and value:
-            try:
-                window[key] = datetime.fromisoformat(value)
-            except ValueError:
-                raise ConfigError(f"{key}: not an ISO 8601 time ({value[:40]!r})") from None
-    if window:
-        sub = sub.model_copy(update=window)
-    trace = form.get("trace")
-    upload = (trace.filename or "trace", trace.file) if isinstance(trace, UploadFile) else None
-    return sub, upload
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def create_app(service: JobService) -> FastAPI:
@@ -282,8 +253,14 @@ def create_app(service: JobService) -> FastAPI:
     caller = Depends(auth)  # the same (cached) dependency, as a parameter: who is asking
 
     _map_errors(app)
-    # Slow bodies: each one timed (408), a team's and all teams' in flight bounded (429).
-    app.add_middleware(BodyGuard, entries=settings.token_entries(), limits=body_limits(settings))
+    # Slow bodies: each one timed (408), a team's and all teams' in flight bounded (429); a
+    # submission refused (429) before its body is read while its team's check slots are full.
+    app.add_middleware(
+        BodyGuard,
+        entries=settings.token_entries(),
+        limits=body_limits(settings),
+        checks=service.checks,
+    )
 
     @app.get("/healthz", tags=["service"])
     def healthz() -> dict[str, Any]:
@@ -340,9 +317,9 @@ def _add_study_routes(app: FastAPI, service: JobService, authed: list[Any], call
     )
     async def submit(request: Request, who: Principal = caller) -> dict[str, Any]:
         """Queue a study; returns its id."""
-        async with _read_submission(request, settings.max_upload_bytes) as (sub, upload):
-            # the upload's copy, the row count and the plan check: in a worker thread
-            rec, notes = await run_in_threadpool(_submit, service, sub, upload, who)
+        async with _received(request, settings.max_upload_bytes) as body:
+            # parsed and checked in a check process (the replica's): this thread only waits
+            rec, notes = await run_in_threadpool(service.submit_body, body, who)
         return {**service.summary(rec), "notes": notes}
 
     @app.get("/v1/studies", dependencies=authed, tags=["studies"])
@@ -439,12 +416,6 @@ def _add_export_route(app: FastAPI, service: JobService, authed: list[Any], call
         return _download(study_id, doc["format"], result)
 
 
-def _submit(
-    service: JobService, sub: Submission, upload: Upload | None, who: Principal
-) -> tuple[Any, list[str]]:
-    return service.submit(sub, upload=upload, owner=who)
-
-
 # --- Ray Serve --------------------------------------------------------------------------------
 
 
@@ -464,7 +435,9 @@ class _Ingress:
             max_concurrent=concurrent,
             max_driver_starts=settings.max_driver_starts,
         )
-        self.service = JobService(settings, store, self.scheduler)
+        self.service = JobService(
+            settings, store, self.scheduler, check_processes=check_processes(settings)
+        )
         self.scheduler.start(settings.poll_interval_s)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -474,6 +447,9 @@ class _Ingress:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.stop()
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.close()
 
 
 #: The keys of a Serve config's ``args`` (and of the CLI's options).

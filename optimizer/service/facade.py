@@ -6,7 +6,8 @@ that adds a time window (``not_before``, ``until``) and an uploaded trace. :clas
 checks it (the job's own validation, trace and search-space files only under the configured
 roots whatever their names, a model under the model roots or, where the operator allows, a hub
 name, a trace of at most the operator's rows, the service's policy from
-:mod:`optimizer.service.security`; these checks are :mod:`optimizer.service.admission`'s),
+:mod:`optimizer.service.security`; these checks are :mod:`optimizer.service.admission`'s, run
+on a body in a check process where the service has them: :mod:`.check_workers`),
 records it in the :class:`~optimizer.service.store.JobStore` and answers every read from the
 store and the study's Optuna storage. Exports go through the same use case as the CLI
 (:mod:`optimizer.export.workflow`).
@@ -32,12 +33,13 @@ import optuna
 import sqlalchemy as sa
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer.config import JobConfig, load_job
+from optimizer.config import JobConfig
 from optimizer.errors import ConfigError, NotFound, SubmissionRefused
 from optimizer.quality.stage import quality_notes
 from optimizer.service import security
-from optimizer.service.admission import Admission, Upload, prepare_check
+from optimizer.service.admission import Admission, Admitted, Upload, prepare_check
 from optimizer.service.auth import DEFAULT_TEAM, Principal
+from optimizer.service.check_workers import CheckWorkers
 from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import is_secret, redact_job
 from optimizer.service.settings import ServiceSettings
@@ -49,7 +51,7 @@ from optimizer.service.store import (
     belongs_to,
     study_name_for,
 )
-from optimizer.service.submissions import CheckSlots, Submission
+from optimizer.service.submissions import Body, CheckSlots, Submission
 from optimizer.service.validations import Validation, ValidationQueue
 from optimizer.trial_view import TrialView, metric_names, refused_trials
 
@@ -124,6 +126,9 @@ class JobService(Admission):
         clock: Epoch seconds.
         validation_workers: Re-validations running at once, all teams together (one of a
             team at a time: :class:`~optimizer.service.validations.ValidationQueue`).
+        check_processes: Processes that check submitted bodies (:meth:`submit_body`:
+            :class:`~optimizer.service.check_workers.CheckWorkers`, started now; ``check_plan``
+            must then be picklable); 0: they are checked in the calling thread.
     """
 
     def __init__(
@@ -136,23 +141,22 @@ class JobService(Admission):
         validator: Validator | None = None,
         clock: Callable[[], float] = time.time,
         validation_workers: int = 2,
+        check_processes: int = 0,
     ) -> None:
-        self.settings = settings
+        super().__init__(settings, check_plan if check_plan is not None else prepare_check)
         self.store = store
         self.scheduler = scheduler
-        self.check_plan = check_plan if check_plan is not None else prepare_check
         self.validator = validator if validator is not None else _cluster_validator
         self.clock = clock
-        self.data_dir = Path(settings.data_dir).resolve()
-        self.roots = [Path(r).expanduser().resolve() for r in settings.trace_roots]
-        self.models_dir = self.data_dir / "models"  # made models: models_dir/TEAM, its own
-        self.model_roots = [Path(r).expanduser().resolve() for r in settings.model_roots]
         self._storages: dict[str, optuna.storages.BaseStorage] = {}
         self._storage_lock = threading.Lock()
         self.validations = ValidationQueue(
             self._run_validation, workers=validation_workers, clock=clock
         )
         self.checks = CheckSlots(settings.max_plan_checks, settings.max_plan_checks_per_team)
+        self.check_workers = (
+            CheckWorkers(settings, self.check_plan, check_processes) if check_processes else None
+        )
 
     # --- submit --------------------------------------------------------------------------------
 
@@ -163,7 +167,7 @@ class JobService(Admission):
         upload: Upload | None = None,
         owner: Principal | None = None,
     ) -> tuple[JobRecord, list[str]]:
-        """Check a submission and queue it.
+        """Check a submission and queue it (checked in the calling thread).
 
         Args:
             sub: The submission.
@@ -179,50 +183,64 @@ class JobService(Admission):
                 too many submissions of the team, or of all teams, being checked already
                 (:class:`~optimizer.service.submissions.CheckSlots`).
         """
+        return self._checked(owner, lambda job_id, team: self.admit(job_id, team, sub, upload))
+
+    def submit_body(
+        self, body: Body, owner: Principal | None = None
+    ) -> tuple[JobRecord, list[str]]:
+        """:meth:`submit` on a body as the API received it: parsed and checked in a check
+        process where the service has them (``check_processes``), the caller waiting without
+        work of its own; then queued here.
+
+        Raises:
+            ConfigError: Not a submission, or an invalid job.
+            SubmissionRefused: As :meth:`submit`; (400, 413) a malformed or oversize
+                multipart part; (503) the check process died.
+        """
+        workers = self.check_workers
+
+        def check(job_id: str, team: str) -> Admitted:
+            if workers is not None:
+                return workers.admit(job_id, team, body)
+            return self.admit_body(job_id, team, body)
+
+        return self._checked(owner, check)
+
+    def _checked(
+        self, owner: Principal | None, check: Callable[[str, str], Admitted]
+    ) -> tuple[JobRecord, list[str]]:
+        """``check`` (job id, team) run in one of the team's check slots, then the job queued;
+        a refused job leaves nothing behind (its upload folder removed)."""
         job_id = uuid.uuid4().hex[:12]
-        upload_dir = self.data_dir / "uploads" / job_id
         team = owner.team if owner is not None else DEFAULT_TEAM
         with self.checks.hold(team):
             try:
-                return self._submit(job_id, upload_dir, sub, upload, team)
+                admitted = check(job_id, team)
+                return self._queue(job_id, team, admitted), admitted.notes
             except BaseException:
-                shutil.rmtree(upload_dir, ignore_errors=True)  # a refused job leaves nothing
+                shutil.rmtree(self.upload_dir(job_id), ignore_errors=True)
                 raise
 
-    def _submit(
-        self,
-        job_id: str,
-        upload_dir: Path,
-        sub: Submission,
-        upload: Upload | None,
-        team: str,
-    ) -> tuple[JobRecord, list[str]]:
-        security.check_limits(sub.job)  # a Submission built in code, not only parsed bodies
-        # One rule for every key and string of the job, before any of it is used or echoed
-        # (keys the service replaces, such as out or storage, included).
-        security.check_text(sub.job)
-        doc = json.loads(json.dumps(sub.job, default=str))
-        notes = self._store_upload(doc, sub, upload, upload_dir)
-        notes += self._service_owned_keys(doc, job_id, team)
-        job, base = load_job(doc, base=self.roots[0] if self.roots else self.data_dir)
-        # the model path as given: load_job resolves a relative one that exists beside its base
-        job = self._check_files(job, upload_dir, str(doc["model"]["path"]), team)
-        self._check_space(job)
-        self._check_trace_size(job, upload_dir)
-        self._prepare(job, base)
+    def close(self) -> None:
+        """Stop the check processes (the replica is going away)."""
+        if self.check_workers is not None:
+            self.check_workers.close()
+
+    def _queue(self, job_id: str, team: str, admitted: Admitted) -> JobRecord:
+        """The admitted job recorded and queued (the scheduler woken)."""
         now = self.clock()
         rec = JobRecord(
             id=job_id,
             seq=0,
-            name=job.name,
+            name=admitted.name,
             state="queued",
-            job=job.model_dump(mode="json"),
-            base=str(base),
-            storage_url=job.storage_url(base),
-            out=str(job.output_dir(base)),
+            job=admitted.job,
+            base=admitted.base,
+            storage_url=admitted.storage_url,
+            out=admitted.out,
             submitted_at=now,
-            not_before=_timestamp("not_before", sub.not_before),
-            until=_timestamp("until", sub.until),
+            not_before=_timestamp("not_before", admitted.not_before),
+            until=_timestamp("until", admitted.until),
             owner=team,
             # Never the job's name: another team's job of that name in a shared storage
             # would be the same study.
@@ -234,7 +252,7 @@ class JobService(Admission):
         security.mark_service_study(Path(rec.out), job_id)
         rec = self.store.add(rec)
         self.scheduler.wake()
-        return rec, notes
+        return rec
 
     # --- reads ---------------------------------------------------------------------------------
 
