@@ -245,20 +245,24 @@ async def attack_measured(
 
 
 def check_latencies(
-    baseline: dict[str, list[float]], seen: dict[str, list[float]], where: str
+    baseline: dict[str, list[float]],
+    seen: dict[str, list[float]],
+    where: str,
+    during: str = "200 slow bodies",
+    names: tuple[str, ...] = PROBES,
 ) -> None:
-    """Print the probes' latencies, and assert each stayed under the bound (:data:`LATENCY_MS`)
-    while the slow bodies hung."""
+    """Print the probes' latencies (``names``: theirs), and assert each stayed under the bound
+    (:data:`LATENCY_MS`) while the slow bodies hung (or what ``during`` names went on)."""
     noise = max(max(ms) for ms in baseline.values())
     bound = min(max(LATENCY_MS, 2 * noise), 1000.0)
-    for name, alone, ms in zip(PROBES, baseline.values(), seen.values(), strict=True):
+    for name, alone, ms in zip(names, baseline.values(), seen.values(), strict=True):
         print(
-            f"\n{where}, {name} during 200 slow bodies: {len(ms)} probes, median "
+            f"\n{where}, {name} during {during}: {len(ms)} probes, median "
             f"{statistics.median(ms):.1f} ms, p95 {_p95(ms):.1f} ms, max {max(ms):.1f} ms "
             f"(alone: median {statistics.median(alone):.1f}, max {max(alone):.1f} ms)"
         )
     print(f"bound: {bound:.0f} ms")
-    for name, ms in zip(PROBES, seen.values(), strict=True):
+    for name, ms in zip(names, seen.values(), strict=True):
         assert max(ms) < bound, (name, ms)
 
 
