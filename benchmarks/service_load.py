@@ -31,9 +31,10 @@ fails or takes 5 s counts as 5 s):
 A client answered 429 waits its ``Retry-After``. After a submission phase its requests in
 flight are let finish (at most ``--drain-s``), the probe still reading. The table: requests
 sent, their answers counted by status, the median time to answer a submission, ``/healthz``'s
-median, p95 and max (and failed probes), and the API replica's RSS growth over the phase (the
-last sample, and the peak) where its process is readable here. The header gives each
-process's niceness: the benchmark and its probe keep the one they are started with, unless
+median, p95 and max (and failed probes), and the RSS growth over the phase of the API replica
+with its check processes (the last sample, and the peak) where they are readable here. The
+header gives each process's niceness (the check processes': ``checks``): the benchmark and its
+probe keep the one they are started with, unless
 ``--probe-nice`` sets the probe's (a probe at nice 19 waits for the CPU itself while the
 service, raised to the trials' nice 0, is busy).
 
@@ -376,13 +377,44 @@ def _phase_clients(
     ]
 
 
-def _rss(pid: int | None) -> int | None:
+def _check_processes(pid: int | None) -> list[Any]:
+    """The replica's check processes (started by multiprocessing's spawn), as psutil sees them."""
+    import psutil
+
+    if not pid:
+        return []
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+        return [c for c in children if c.cmdline()[-1:] == ["--multiprocessing-fork"]]
+    except (psutil.Error, OSError):
+        return []
+
+
+def _nice(proc: Any) -> str:
     import psutil
 
     try:
-        return int(psutil.Process(pid).memory_info().rss) if pid else None
+        return str(proc.nice())
+    except (psutil.Error, OSError):
+        return "?"
+
+
+def _rss(pid: int | None) -> int | None:
+    """The replica's RSS with its check processes'."""
+    import psutil
+
+    try:
+        own = int(psutil.Process(pid).memory_info().rss) if pid else None
     except (psutil.Error, OSError):
         return None
+    if own is None:
+        return None
+    for child in _check_processes(pid):
+        try:
+            own += int(child.memory_info().rss)
+        except (psutil.Error, OSError):
+            continue
+    return own
 
 
 @dataclass
@@ -463,7 +495,7 @@ def _mib(rss: list[int]) -> str:
 def table(rows: list[Row]) -> str:
     out = [
         "| phase | s | sent | answers | submit median s | /healthz median / p95 / max ms "
-        "(probes, failed) | replica RSS MiB |",
+        "(probes, failed) | replica + checks RSS MiB |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -488,6 +520,9 @@ def _niceness_line(svc: Service) -> str:
     for name, seen in sorted(api_processes().items()):
         kind = "proxy" if name.startswith("SERVE_PROXY") else "replica"
         parts.append(f"{kind} {seen['nice']} (pid {seen['pid']})")
+        if kind == "replica":
+            checks = sorted({_nice(c) for c in _check_processes(seen["pid"])})
+            parts.append(f"checks {'/'.join(checks) or '-'}")
     return "niceness: " + ", ".join(parts)
 
 
