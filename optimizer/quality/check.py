@@ -10,7 +10,9 @@ in a fixed order, so batch composition never enters the comparison.
 - **Floor**: the baseline scored twice (two passes on one server); its disagreement is what the
   measurement itself shows with nothing changed.
 - **Drift**: the candidate's mean absolute logprob difference over the continuation tokens, and
-  its top-1 agreement (share of positions where the baseline's token is the candidate's rank 1).
+  its top-1 agreement (share of positions where its top choice is the baseline's top choice,
+  both teacher-forced: a greedy answer's own token need not be the prefill's top choice where
+  two tokens nearly tie, as on random weights of a large vocabulary).
 - **Greedy**: the candidate's own greedy continuation against the baseline's (the share of
   tokens before the first divergence): where speculation changes decoding, not the prefill
   that prompt logprobs see.
@@ -55,8 +57,8 @@ class QualitySettings:
         prompts: Prompts compared (each sent alone, in order).
         prompt_tokens: Tokens of each prompt (at most).
         continuation_tokens: Tokens of the baseline's greedy continuation scored.
-        min_top1_agreement: Least share of positions where the baseline's token stays the
-            candidate's top choice.
+        min_top1_agreement: Least share of positions where the candidate's top choice is the
+            baseline's (both teacher-forced on the baseline's answer).
         max_logprob_drift: Most mean absolute logprob difference (nats) over the floor's.
         min_greedy_match: Least share of the candidate's own greedy tokens before its first
             divergence from the baseline's (judged only where speculation is a lever).
@@ -98,6 +100,7 @@ class Reference:
     prompts: list[list[int]]
     continuations: list[list[int]]
     logprobs: list[list[float]]
+    top1: list[list[int]]
     floor: Comparison
     flat: bool
     accuracy: float | None = None  # the baseline's on the eval set, where one is given
@@ -175,7 +178,8 @@ def score(
     prompt: Sequence[int],
     continuation: Sequence[int],
 ) -> tuple[list[float], list[int]]:
-    """Teacher-forced: the logprob and rank the server gives each continuation token."""
+    """Teacher-forced: the logprob the server gives each continuation token, and its own top
+    choice at that position."""
     doc = _post(
         client,
         url,
@@ -193,12 +197,13 @@ def score(
         raise ValueError(
             f"the server scored {len(tail)} continuation tokens, {len(continuation)} were sent"
         )
-    logprobs, ranks = [], []
+    logprobs, top1 = [], []
     for token, entry in zip(continuation, tail, strict=True):
         mine = entry[str(token)]  # the sent token is always among a position's entries
         logprobs.append(float(mine["logprob"]))
-        ranks.append(int(mine.get("rank") or 1))
-    return logprobs, ranks
+        best = next((k for k, v in entry.items() if int(v.get("rank") or 0) == 1), str(token))
+        top1.append(int(best))
+    return logprobs, top1
 
 
 def _prefix_share(a: Sequence[int], b: Sequence[int]) -> float:
@@ -212,21 +217,28 @@ def _prefix_share(a: Sequence[int], b: Sequence[int]) -> float:
 
 def compare(
     reference_logprobs: Sequence[Sequence[float]],
+    reference_top1: Sequence[Sequence[int]],
     logprobs: Sequence[Sequence[float]],
-    ranks: Sequence[Sequence[int]],
+    top1: Sequence[Sequence[int]],
     greedy_shares: Sequence[float] | None = None,
 ) -> Comparison:
-    """Scores against the reference's, over every continuation token of every prompt."""
+    """Scores against the reference's, over every continuation token of every prompt: the
+    share of positions where both servers' top choice is the same token, and the drift of the
+    baseline's tokens' logprobs."""
     diffs = [
         abs(a - b)
         for ref, got in zip(reference_logprobs, logprobs, strict=True)
         for a, b in zip(ref, got, strict=True)
     ]
-    flat_ranks = [r for rs in ranks for r in rs]
+    same = [
+        a == b
+        for ref, got in zip(reference_top1, top1, strict=True)
+        for a, b in zip(ref, got, strict=True)
+    ]
     n = len(diffs)
     return Comparison(
         tokens=n,
-        top1_agreement=sum(1 for r in flat_ranks if r == 1) / n if n else math.nan,
+        top1_agreement=sum(same) / n if n else math.nan,
         mean_abs_logprob_diff=sum(diffs) / n if n else math.nan,
         max_abs_logprob_diff=max(diffs, default=math.nan),
         greedy_match=(sum(greedy_shares) / len(greedy_shares)) if greedy_shares else None,
@@ -258,13 +270,14 @@ def build_reference(
         conts = [greedy(client, url, model, p, settings.continuation_tokens) for p in prompts]
         first = [score(client, url, model, p, c) for p, c in zip(prompts, conts, strict=True)]
         second = [score(client, url, model, p, c) for p, c in zip(prompts, conts, strict=True)]
-    logprobs = [lp for lp, _ in first]
-    floor = compare(logprobs, [lp for lp, _ in second], [r for _, r in second])
+    logprobs, top1 = [lp for lp, _ in first], [t for _, t in first]
+    floor = compare(logprobs, top1, [lp for lp, _ in second], [t for _, t in second])
     return Reference(
         model=model,
         prompts=[list(p) for p in prompts],
         continuations=conts,
         logprobs=logprobs,
+        top1=top1,
         floor=floor,
         flat=is_flat(logprobs, vocab_size),
         accuracy=_accuracy(url, model, settings),
@@ -293,7 +306,9 @@ def measure(url: str, model: str, reference: Reference, settings: QualitySetting
             _prefix_share(greedy(client, url, model, p, len(c)), c)
             for p, c in zip(reference.prompts, reference.continuations, strict=True)
         ]
-    got = compare(reference.logprobs, [s[0] for s in scored], [s[1] for s in scored], shares)
+    got = compare(
+        reference.logprobs, reference.top1, [s[0] for s in scored], [s[1] for s in scored], shares
+    )
     return replace(got, accuracy=_accuracy(url, model, settings))
 
 

@@ -89,6 +89,7 @@ def _key(
     evals = Path(settings.eval_set).read_bytes() if settings.eval_set else b""
     doc = json.dumps(
         [
+            2,  # the reference's format (its positions' top choices kept)
             model,
             dict(args),
             [list(p) for p in prompts],

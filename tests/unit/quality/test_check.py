@@ -47,8 +47,13 @@ def _fake_vllm(logprob_of: dict[int, float], top: int) -> httpx.Client:
         if body.get("prompt_logprobs"):
             entries: list[Any] = [None]
             for tok in body["prompt"][1:]:
-                rank = 1 if tok == top else 2
-                entries.append({str(tok): {"logprob": logprob_of.get(tok, -5.0), "rank": rank}})
+                entry = {str(tok): {"logprob": logprob_of.get(tok, -5.0), "rank": 1}}
+                if tok != top:  # vLLM adds the position's own top choice beside the sent token
+                    entry = {
+                        str(tok): {"logprob": logprob_of.get(tok, -5.0), "rank": 2},
+                        str(top): {"logprob": -0.1, "rank": 1},
+                    }
+                entries.append(entry)
             return httpx.Response(200, json={"choices": [{"prompt_logprobs": entries}]})
         tokens = [f"token_id:{top}"] * body["max_tokens"]
         return httpx.Response(200, json={"choices": [{"logprobs": {"tokens": tokens}}]})
@@ -59,8 +64,8 @@ def _fake_vllm(logprob_of: dict[int, float], top: int) -> httpx.Client:
 def test_greedy_and_teacher_forced_scores_are_read_as_vllm_returns_them() -> None:
     with _fake_vllm({7: -0.25, 9: -3.0}, top=7) as client:
         assert greedy(client, "http://x", "m", [1, 2, 3], 4) == [7, 7, 7, 7]
-        logprobs, ranks = score(client, "http://x", "m", [1, 2, 3], [7, 9, 7])
-    assert logprobs == [-0.25, -3.0, -0.25] and ranks == [1, 2, 1]
+        logprobs, top1 = score(client, "http://x", "m", [1, 2, 3], [7, 9, 7])
+    assert logprobs == [-0.25, -3.0, -0.25] and top1 == [7, 7, 7]
 
 
 def _reference(floor_diff: float = 0.0) -> Reference:
@@ -75,6 +80,7 @@ def _reference(floor_diff: float = 0.0) -> Reference:
         prompts=[[1, 2]],
         continuations=[[3, 4, 5, 6]],
         logprobs=[[-0.1, -0.2, -0.3, -0.4]],
+        top1=[[3, 4, 5, 6]],
         floor=floor,
         flat=False,
     )
@@ -82,15 +88,15 @@ def _reference(floor_diff: float = 0.0) -> Reference:
 
 def test_drift_is_judged_over_the_floor_and_agreement_against_its_threshold() -> None:
     ref, settings = _reference(), QualitySettings()
-    same = compare(ref.logprobs, ref.logprobs, [[1, 1, 1, 1]])
+    same = compare(ref.logprobs, ref.top1, ref.logprobs, ref.top1)
     assert (same.top1_agreement, same.mean_abs_logprob_diff) == (1.0, 0.0)
     assert judge(same, ref, {"kv-cache-dtype": "x"}, settings).status == "pass"
-    moved = compare(ref.logprobs, [[-0.4, -0.5, -0.6, -0.7]], [[1, 1, 1, 1]])
+    moved = compare(ref.logprobs, ref.top1, [[-0.4, -0.5, -0.6, -0.7]], ref.top1)
     assert moved.mean_abs_logprob_diff == pytest.approx(0.3)
     verdict = judge(moved, ref, {"kv-cache-dtype": "x"}, settings)
     assert verdict.status == "fail" and "logprob drift 0.3000" in verdict.reason
     assert judge(moved, _reference(floor_diff=0.25), {}, settings).status == "pass"
-    flipped = compare(ref.logprobs, ref.logprobs, [[1, 2, 1, 1]])
+    flipped = compare(ref.logprobs, ref.top1, ref.logprobs, [[3, 9, 5, 6]])
     verdict = judge(flipped, ref, {}, settings)
     assert verdict.status == "fail" and "top-1 agreement 0.750" in verdict.reason
     assert "quality fail: top-1 agreement 0.750" in verdict.line()
@@ -98,7 +104,7 @@ def test_drift_is_judged_over_the_floor_and_agreement_against_its_threshold() ->
 
 def test_a_diverging_greedy_answer_fails_only_where_speculation_is_a_lever() -> None:
     ref, settings = _reference(), QualitySettings()
-    diverged = compare(ref.logprobs, ref.logprobs, [[1, 1, 1, 1]], greedy_shares=[0.5])
+    diverged = compare(ref.logprobs, ref.top1, ref.logprobs, ref.top1, greedy_shares=[0.5])
     assert judge(diverged, ref, {"kv-cache-dtype": "x"}, settings).status == "pass"
     verdict = judge(diverged, ref, {"speculative-config": "x"}, settings)
     assert verdict.status == "fail" and "greedy continuations match 0.500" in verdict.reason
@@ -149,7 +155,7 @@ def test_the_accuracy_ratio_fails_a_candidate_and_a_baseline_at_zero_says_nothin
     from dataclasses import replace
 
     ref, settings = _reference(), QualitySettings()
-    same = compare(ref.logprobs, ref.logprobs, [[1, 1, 1, 1]])
+    same = compare(ref.logprobs, ref.top1, ref.logprobs, ref.top1)
     ref.accuracy = 0.8
     verdict = judge(replace(same, accuracy=0.6), ref, {}, settings)
     assert verdict.status == "fail" and "eval accuracy 0.600 against the baseline's 0.800" in (
