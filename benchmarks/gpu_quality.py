@@ -87,8 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     # In a process of its own: this one never holds GPU memory the servers need.
     import subprocess
 
-    code = f"from benchmarks.gpu_quality import _seeded_gpu as f; print(f(__import__('pathlib').Path({str(model)!r}), {ns.seed}))"
-    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = (
+        "import pathlib, sys; from benchmarks.gpu_quality import _seeded_gpu as f; "
+        "print(f(pathlib.Path(sys.argv[1]), int(sys.argv[2])))"
+    )
+    made = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(ns.seed)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     made_s = float(made.stdout.strip().splitlines()[-1])
     base = {"max-model-len": 4096, "enforce-eager": True, "served-model-name": NAME}
     work = ns.out / "gate"
