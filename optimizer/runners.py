@@ -38,6 +38,8 @@ __all__ = [
     "LocalRunner",
     "RayRunner",
     "TrialRunner",
+    "check_node_sees",
+    "paths_to_see",
     "ray_node",
     "serve_api_priority",
     "serve_deployment",
@@ -150,7 +152,10 @@ class _TrialActor:
         # Tests give a factory of fake engines (packing checks on logical GPUs, no vLLM).
         self._engine_factory = engine_factory
 
-    def run(self, spec: TrialSpec) -> TrialResult:
+    def run(self, spec: TrialSpec, must_see: tuple[tuple[str, str], ...] = ()) -> TrialResult:
+        """Run ``spec`` here, once this node sees every path of ``must_see`` (what, path):
+        :func:`check_node_sees` raises before anything starts or is written."""
+        check_node_sees(spec, must_see)
         # Ray starts workers at a low priority (nice 15); the replay client and the server it
         # starts would then lose the CPU to everything else and the client's send lag would
         # distort every measurement. Back to normal priority where permitted.
@@ -238,6 +243,74 @@ def ray_node() -> dict[str, str | None]:
     }
 
 
+def paths_to_see(spec: TrialSpec) -> tuple[tuple[str, str], ...]:
+    """What a trial's node must see at the paths this process (the driver) uses, as
+    ``(what, path)``: the trial's records folder or, where it does not exist yet, its nearest
+    folder that does (the study folder, or one in it), the model where it is a path here, and
+    the interpreter. The trace travels in the spec (a shaped trace is small): nothing to see."""
+    workdir = folder = Path(spec.workdir)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    seen = [("the trial folder" if folder == workdir else "the study folder", str(folder))]
+    if Path(spec.engine.model).exists():
+        seen.append(("the model", spec.engine.model))
+    if spec.python and Path(spec.python).exists():
+        seen.append(("the interpreter", spec.python))
+    return tuple(seen)
+
+
+def check_node_sees(spec: TrialSpec, must_see: tuple[tuple[str, str], ...]) -> None:
+    """Raise, before anything is started or written, when this node does not see a path of
+    ``must_see`` (:func:`paths_to_see`).
+
+    Raises:
+        ConfigError: Naming each missing path and the node (Ray's node IP, hostname, id).
+    """
+    from optimizer.errors import ConfigError
+
+    missing = [f"{what} {path}" for what, path in must_see if not os.path.exists(path)]
+    if not missing:
+        return
+    node = ray_node()
+    where = (
+        f"Ray node {node['node_ip']} ({node['node_hostname']}, node id {node['node_id']})"
+        if node["node_id"]
+        else f"{socket.gethostname()} (no Ray)"
+    )
+    raise ConfigError(
+        f"trial {spec.number} landed on {where}, which does not see "
+        + " nor ".join(missing)
+        + ": every node of the cluster must see the study folder, the model and the "
+        "interpreter at the paths the driver uses (a shared filesystem, or the same volumes "
+        "mounted at the same paths); nothing was started or written there"
+    )
+
+
+def _plain_errors(
+    future: concurrent.futures.Future[TrialResult],
+) -> concurrent.futures.Future[TrialResult]:
+    """``future`` with the tuner's own errors raised in an actor as themselves (Ray wraps
+    them in a ``RayTaskError`` that prints the actor's traceback); other errors as Ray's."""
+    from optimizer.errors import AutotuneError
+
+    out: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
+
+    def relay(done: concurrent.futures.Future[TrialResult]) -> None:
+        if done.cancelled():
+            out.cancel()
+            return
+        exc = done.exception()
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by a caller
+            if exc is None:
+                out.set_result(done.result())
+            else:
+                cause = getattr(exc, "cause", None)
+                out.set_exception(cause if isinstance(cause, AutotuneError) else exc)
+
+    future.add_done_callback(relay)
+    return out
+
+
 def _prepare_next(spec: TrialSpec) -> Any:
     """A preloaded interpreter with ``spec``'s environment for the next trial (None when it
     cannot be launched: the next trial then starts from scratch)."""
@@ -315,8 +388,8 @@ class RayRunner:
             actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote(
                 self._engine_factory
             )
-        ref = actor.run.remote(spec)
-        handle = _Handle(spec, ref.future(), actor, gpus)
+        ref = actor.run.remote(spec, paths_to_see(spec))
+        handle = _Handle(spec, _plain_errors(ref.future()), actor, gpus)
         with self._lock:
             self._live.add(id(handle))
         return handle

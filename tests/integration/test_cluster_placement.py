@@ -10,6 +10,7 @@ once, and where, is known from events, not from the clock."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from optimizer.errors import ConfigError
 from optimizer.runners import RayRunner
 from optimizer.types import TrialResult, TrialStatus
 from tests.fakes.gated import Gate, GatedEngines, tiny_spec
@@ -176,3 +178,35 @@ def test_trials_land_on_the_workers_packed_by_their_gpus(fleet: Fleet, trials: T
         assert placed["node_hostname"] == socket.gethostname(), placed
         assert placed["cuda_visible_devices"] in (note["cuda_visible_devices"], None), placed
         assert len(placed["ray_gpu_ids"]) == sizes[number], placed
+
+
+def test_a_node_that_does_not_see_a_path_fails_the_trial_before_anything_starts(
+    fleet: Fleet, trials: Trials, tmp_path: Path
+) -> None:
+    """Issue 45, item 4: a trial checks, once it lands on a node, that the node sees the
+    study folder and the model at the paths the driver saw them: where one is missing the
+    trial fails with an error naming each missing path and the node (IP, hostname and Ray
+    node id), before any server starts and without writing anything there. Here the driver
+    sees both when it submits the trial, which waits for a GPU; both are gone when it lands
+    (the trace travels in the trial's spec: nothing to see)."""
+    big, small = list(fleet.gpus)
+    held = {0: trials.submit(0, 2), 1: trials.submit(1, 1)}  # every GPU of the fleet
+    assert trials.started(0)["node_id"] == big and trials.started(1)["node_id"] == small
+    study, model = tmp_path / "study", tmp_path / "model"
+    study.mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = tiny_spec(study / "trials" / "0007" / "attempt-0", 7, model=str(model))
+    waiting = trials.runner.submit(spec, 1)
+    shutil.rmtree(study)
+    shutil.rmtree(model)
+    trials.finish(1, held[1])  # the one-GPU worker's GPU is free: trial 7 lands there
+    with pytest.raises(ConfigError) as info:
+        waiting.future.result(timeout=ARRIVAL_S)
+    trials.runner.release(waiting)
+    message = str(info.value)
+    assert f"the study folder {study} nor the model {model}" in message, message
+    assert f"Ray node {LOOPBACK} ({socket.gethostname()}, node id {small})" in message, message
+    assert not study.exists()  # nothing written on the node
+    assert 7 not in trials.arrivals()  # no server started
+    assert trials.finish(0, held[0]).status is TrialStatus.COMPLETE
