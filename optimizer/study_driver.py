@@ -46,6 +46,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import parse_budget, parse_until
 from optimizer.engine.stack import hardware_line, installed_stack
+from optimizer.errors import ConfigError
 from optimizer.study import StudyPlan, create_storage
 from optimizer.study_folder import portable_url
 from optimizer.study_sampler import StudyGridSampler, job_sampler
@@ -539,6 +540,15 @@ class StudyDriver:
             release(handle)
         try:
             result = fut.result()
+        except ConfigError as exc:
+            # The node cannot run it (a path it cannot see, ...): the cluster's setup, not the
+            # configuration's result. Told as not run, never learned from; the study stops.
+            self._tell(
+                trial,
+                TrialResult(number=number, status=TrialStatus.CANCELLED, message=f"not run: {exc}"),
+                attempt,
+            )
+            raise
         except Exception as exc:
             result = TrialResult(
                 number=number,

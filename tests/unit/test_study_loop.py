@@ -781,3 +781,32 @@ def test_an_rf_study_runs_with_smacs_random_forest(tmp_path: Path) -> None:
     assert "model" in origins, origins
     measured = [json.dumps(t.params, sort_keys=True) for t in study.get_trials()[1:]]
     assert len(measured) == len(set(measured))
+
+
+class _NodeCannotSeeRunner(FakeRunner):
+    """A FAKE runner whose second trial lands on a node that cannot see the study's paths."""
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        if spec.number == 1:
+            from optimizer.errors import ConfigError
+
+            self.specs.append(spec)
+            handle = FakeHandle(spec)
+            handle.future.set_exception(ConfigError(f"node n1 cannot see {spec.workdir}"))
+            return handle
+        return super().submit(spec, gpus)
+
+
+def test_a_node_that_cannot_run_a_trial_stops_the_study_and_teaches_the_sampler_nothing(
+    tmp_path: Path,
+) -> None:
+    from optimizer.errors import ConfigError
+
+    driver = _driver(tmp_path, _NodeCannotSeeRunner(), trials=4)
+    with pytest.raises(ConfigError, match="node n1 cannot see"):
+        driver.run()
+    trial = driver.study.trials[1]
+    assert trial.state == optuna.trial.TrialState.FAIL  # not a configuration's worst values
+    assert TrialView(trial).status == "cancelled"
+    assert TrialView(trial).message.startswith("not run: node n1 cannot see")
+    assert len(driver.study.trials) == 2  # nothing launched after it
