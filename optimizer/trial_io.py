@@ -11,13 +11,23 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from optimizer.types import RequestRecord
 
 if TYPE_CHECKING:
-    from optimizer.capacity.search import StepOutcome
     from optimizer.workload.replay import ReplayProgress
+
+
+class _Step(Protocol):
+    """A finished capacity step as the progress record reads it (a capacity search's
+    ``StepOutcome``; named here so that this record imports nothing of the capacity room)."""
+
+    @property
+    def scale(self) -> float: ...
+    @property
+    def reason(self) -> str: ...
+
 
 __all__ = [
     "PROGRESS_FILE",
@@ -112,7 +122,7 @@ class TrialProgress:
         self.doc = {"phase": "capacity search", **kept, "scale": scale, "note": note}
         self._write(force=True)
 
-    def step(self, outcome: StepOutcome) -> None:
+    def step(self, outcome: _Step) -> None:
         """A capacity step finished (the capacity search's ``on_step``)."""
         self.doc = {
             "phase": "capacity search",

@@ -122,13 +122,8 @@ MODULES = dict(_modules())
 #: facade above the study.
 ROOM_FOLDERS = ("optimizer.service",)
 
-#: The imports known to run back up a floor, (importer, imported) with the reason. The progress
-#: record of a trial (``trial_io.py``) names a capacity step for the type checker only, while
-#: ``capacity/measure.py`` writes its steps through that record.
-BACK_UP = {
-    ("optimizer.trial_io", "optimizer.capacity"): "StepOutcome, for the type checker only",
-    ("optimizer.trial_io", "optimizer.capacity.search"): "StepOutcome, for the type checker only",
-}
+#: The imports known to run back up a floor, (importer, imported) with the reason: none.
+BACK_UP: dict[tuple[str, str], str] = {}
 
 
 def _room(name: str) -> str:
