@@ -328,6 +328,33 @@ async def _slow_body(port: int, token: str, stop_at: float, after_s: float, tall
         await asyncio.sleep(SLOW_EVERY_S - since % SLOW_EVERY_S)
 
 
+async def _send(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes
+) -> tuple[int, dict[str, str]]:
+    """Send ``payload`` while reading the answer: one that comes before the whole body was
+    sent (a 429 before the body is read, the connection then closed) is read, not lost to the
+    broken pipe."""
+    answer = asyncio.ensure_future(_response(reader))
+    writer.write(payload)
+    sending = asyncio.ensure_future(writer.drain())
+    try:
+        await asyncio.wait({answer, sending}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            await sending  # all sent (or the connection broke: below)
+        return await asyncio.wait_for(answer, SUBMIT_TIMEOUT_S)
+    except OSError:
+        await asyncio.wait({answer}, timeout=1.0)  # an answer that came says why
+        if answer.done() and not answer.cancelled() and answer.exception() is None:
+            return answer.result()
+        raise
+    finally:
+        for task in (answer, sending):
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: no "never retrieved" noise
+            else:
+                task.cancel()
+
+
 async def _submitter(port: int, payload: bytes, stop_at: float, tally: Tally) -> None:
     """One of case 5's clients: the same request, one after another, until ``stop_at``."""
     while time.monotonic() < stop_at:
@@ -336,9 +363,7 @@ async def _submitter(port: int, payload: bytes, stop_at: float, tally: Tally) ->
         try:
             reader, writer = await asyncio.open_connection(HOST, port)
             try:
-                writer.write(payload)
-                await writer.drain()
-                status, headers = await asyncio.wait_for(_response(reader), SUBMIT_TIMEOUT_S)
+                status, headers = await _send(reader, writer, payload)
             finally:
                 writer.close()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
