@@ -100,7 +100,15 @@ def test_a_refused_fp8_winner_leaves_the_export_to_the_best_that_passes(
     assert "Quality gate" in run.stdout and "fail" in run.stdout
     export = tmp_path / "export.yaml"
     done = _cli(
-        "export", str(out), "--format", "vllm-config", "--no-validate", "--out", str(export)
+        "export",
+        str(out),
+        "--format",
+        "vllm-config",
+        "--policy",
+        "min-tpot",
+        "--no-validate",
+        "--out",
+        str(export),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     text = export.read_text()
