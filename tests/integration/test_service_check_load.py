@@ -7,7 +7,7 @@ JSON job whose search space is an inline categorical of 10,000 choices, then an 
 trace at the row limit (200,000 rows, 7.6 MB, multipart as ``vllm-autotune submit
 --upload-trace`` sends it). Every submission starts a day ahead, so each is checked in full and
 stored and no study starts (no vLLM needed). ``/healthz`` is asked every 50 ms, for 2 s before
-(the machine's own noise) and while the clients submit (``check_latencies``: within 100 ms,
+(the machine's own noise) and while the clients submit (``check_latencies``: p95 within 100 ms,
 or twice that noise where it is larger). Before the checks moved out of the replica,
 ``/healthz``'s p95 was 232 ms under the spaces and 897 ms under the uploads
 (``benchmarks/service_load.py``), its slowest 450 and 790 ms in this test. ``-s`` prints the

@@ -5,7 +5,7 @@ replica with its 64 request slots and its scheduler) with two teams' tokens; no 
 so no vLLM is needed. 200 connections of one team, opened over 2 s, send headers promising a
 100,000-byte body and then a byte a second, as the attack did (a byte every 3 s there);
 /healthz and the other team's list are asked every 50 ms, for 2 s before (the machine's own
-noise) and while they hang (``check_latencies``: within 100 ms). Before the body bounds the
+noise) and while they hang (``check_latencies``: p95 within 100 ms, none stalled). Before the body bounds the
 slow bodies took every replica slot and /healthz waited as long as they hung (30-42 s in the
 issue's run). ``-s`` prints the latencies.
 
