@@ -191,7 +191,10 @@ def run_bench(
         capture_output=True,
         text=True,
         timeout=1800,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+        },
     )
     (result_dir / f"bench-seed{seed}.log").write_text(completed.stdout + completed.stderr)
     if completed.returncode != 0:
