@@ -42,6 +42,7 @@ __all__ = [
     "SloError",
     "SubmissionRefused",
     "TraceError",
+    "TrialNodeLost",
 ]
 
 
@@ -131,6 +132,20 @@ class EngineError(AutotuneError):
 
 class ReplayError(AutotuneError):
     """The replay itself could not run as asked."""
+
+
+class TrialNodeLost(AutotuneError):
+    """A trial's Ray node died under it (its raylet, or the machine): the cluster's loss, not
+    the configuration's result. The study runs the configuration once more (on a node that is
+    alive) and never tells the sampler the loss as a failure.
+
+    Attributes:
+        node_id: The lost node's Ray id ("" when Ray did not say).
+    """
+
+    def __init__(self, message: str, node_id: str = "") -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 class NotFound(AutotuneError):

@@ -34,7 +34,15 @@ __all__ = [
 # Without SLOs every told trial carries this one constraint (optimizer.study): not an SLO.
 _SERVED = "engine_served"
 # Statuses of trials whose engine never served the trace: no SLO was measured.
-_NOT_RUN = ("rejected", "duplicate", "failed", "cancelled", "driver_died", "invalid_replay")
+_NOT_RUN = (
+    "rejected",
+    "duplicate",
+    "failed",
+    "cancelled",
+    "driver_died",
+    "invalid_replay",
+    "lost",
+)
 
 
 @dataclass(frozen=True)

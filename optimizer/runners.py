@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -151,6 +152,11 @@ class _TrialActor:
         self._warm: Any = None
         # Tests give a factory of fake engines (packing checks on logical GPUs, no vLLM).
         self._engine_factory = engine_factory
+        _exit_when_raylet_dies()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on (asked beside a running trial: the second slot)."""
+        return ray_node()["node_id"] or ""
 
     def run(self, spec: TrialSpec, must_see: tuple[tuple[str, str], ...] = ()) -> TrialResult:
         """Run ``spec`` here, once this node sees every path of ``must_see`` (what, path):
@@ -198,6 +204,37 @@ class _TrialActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }
+
+
+#: How often a trial actor checks that the raylet that started it still lives.
+_RAYLET_POLL_S = 1.0
+
+
+def _exit_when_raylet_dies(poll_s: float = _RAYLET_POLL_S) -> None:
+    """End this actor process once the raylet that started it is gone.
+
+    Where a node's raylet dies and the machine lives, Ray does not end the node's workers: a
+    trial actor lived on for minutes, reparented to init, with its vLLM server (issue 45). A
+    daemon thread watches the parent process and exits hard when it changes; the engine guard
+    then sees its owner die and stops the server's process group. Armed only where the parent
+    is a raylet (a worker started some other way keeps its parent's lifetime as it is).
+    """
+    import psutil
+
+    parent = os.getppid()
+    try:
+        if "raylet" not in psutil.Process(parent).name():
+            return
+    except psutil.Error:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(poll_s)
+        log.warning("the raylet (pid %d) that started this trial actor is gone: exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="raylet-watch", daemon=True).start()
 
 
 def _record_placement(server: Any, path: Path) -> None:
@@ -311,6 +348,84 @@ def _plain_errors(
     return out
 
 
+def _node_lost_errors(
+    future: concurrent.futures.Future[TrialResult], node_ref: Any
+) -> concurrent.futures.Future[TrialResult]:
+    """``future`` with an actor death on a node that died raised as :class:`TrialNodeLost`
+    (:func:`lost_node`); every other outcome as it came. Decided off Ray's callback thread:
+    asking the cluster may block."""
+    out: concurrent.futures.Future[TrialResult] = concurrent.futures.Future()
+    # The node's id kept as soon as the actor says it, before any death can hide it.
+    said: list[str] = []
+
+    def keep(done: concurrent.futures.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            said.append(str(done.result() or ""))
+
+    node_ref.future().add_done_callback(keep)
+
+    def judge(exc: BaseException) -> None:
+        lost = lost_node(exc, said[0] if said and said[0] else node_ref)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            out.set_exception(exc if lost is None else lost)
+
+    def relay(done: concurrent.futures.Future[TrialResult]) -> None:
+        if done.cancelled():
+            out.cancel()
+            return
+        exc = done.exception()
+        if exc is None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                out.set_result(done.result())
+            return
+        threading.Thread(target=judge, args=(exc,), name="node-lost", daemon=True).start()
+
+    future.add_done_callback(relay)
+    return out
+
+
+def lost_node(exc: BaseException, node_ref: Any, timeout_s: float = 10.0) -> Any:
+    """A :class:`~optimizer.errors.TrialNodeLost` when ``exc`` is a trial actor's death on a
+    node the cluster no longer has alive, None otherwise (a death on a live node, such as a
+    kill for memory, is the trial's own failure). The node is the one the actor said it ran
+    on (``node_ref``); an actor that died before it could say is lost with its node when
+    Ray's message says so. ``node_ref`` may be the node's id itself, once known."""
+    import ray
+
+    from optimizer.errors import TrialNodeLost
+
+    _no_auto_init()
+
+    if not isinstance(exc, ray.exceptions.RayActorError):
+        return None
+    node_id = node_ref if isinstance(node_ref, str) else ""
+    if not node_id:
+        with contextlib.suppress(Exception):
+            node_id = str(ray.get(node_ref, timeout=timeout_s) or "")
+    try:
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    except Exception:
+        return None  # the cluster does not answer: the driver's own loss, judged elsewhere
+    alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if node_id:
+        if node_id in alive:
+            return None
+        where = next((n.get("NodeManagerAddress", "") for n in nodes if n["NodeID"] == node_id), "")
+        return TrialNodeLost(
+            f"the trial's Ray node {where or '?'} (node id {node_id}) died under it: {first}",
+            node_id,
+        )
+    if _NODE_DEATH.search(str(exc)):
+        return TrialNodeLost(f"the trial's Ray node died under it: {first}")
+    return None
+
+
+#: Ray's words for an actor that died with its node ("The actor died because its node has
+#: died", "the actor's node was terminated unexpectedly: health check failed ...").
+_NODE_DEATH = re.compile(r"\bnode\b[^.\n]*\b(has died|died|is dead|was terminated)\b", re.I)
+
+
 def _prepare_next(spec: TrialSpec) -> Any:
     """A preloaded interpreter with ``spec``'s environment for the next trial (None when it
     cannot be launched: the next trial then starts from scratch)."""
@@ -389,7 +504,10 @@ class RayRunner:
                 self._engine_factory
             )
         ref = actor.run.remote(spec, paths_to_see(spec))
-        handle = _Handle(spec, _plain_errors(ref.future()), actor, gpus)
+        node_ref = actor.node.remote()
+        handle = _Handle(
+            spec, _node_lost_errors(_plain_errors(ref.future()), node_ref), actor, gpus
+        )
         with self._lock:
             self._live.add(id(handle))
         return handle
@@ -614,8 +732,10 @@ class ClusterLossGuard:
 
         _no_auto_init()
 
+        from optimizer.errors import TrialNodeLost
+
         if (
-            isinstance(exc, ray.exceptions.RayActorError)
+            isinstance(exc, ray.exceptions.RayActorError | TrialNodeLost)
             and not self._cancelling()
             and not own_node_alive(timeout_s=15.0)
         ):

@@ -46,7 +46,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer.capacity.trial import capacity_constraints
 from optimizer.config import parse_budget, parse_until
 from optimizer.engine.stack import hardware_line, installed_stack
-from optimizer.errors import ConfigError
+from optimizer.errors import ConfigError, TrialNodeLost
 from optimizer.study import StudyPlan, create_storage
 from optimizer.study_folder import portable_url
 from optimizer.study_sampler import StudyGridSampler, job_sampler
@@ -73,6 +73,8 @@ __all__ = [
 _DRIVER_ATTR = "driver"
 # Without SLOs, the one constraint every told trial carries: the engine served (<= 0) or not.
 _SERVED = "engine_served"
+#: How many times a trial whose Ray node died under it runs once more (issue 45).
+NODE_LOST_RERUNS = 1
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,11 @@ class StudyDriver:
             or (
                 t.state == TrialState.FAIL
                 and TrialView(t).status
-                in (TrialStatus.INVALID_REPLAY.value, TrialStatus.DUPLICATE.value)
+                in (
+                    TrialStatus.INVALID_REPLAY.value,
+                    TrialStatus.DUPLICATE.value,
+                    TrialStatus.LOST.value,  # a failing cluster must not loop forever
+                )
             )
         )
 
@@ -540,6 +546,9 @@ class StudyDriver:
             release(handle)
         try:
             result = fut.result()
+        except TrialNodeLost as exc:
+            self._node_lost(trial, number, attempt, exc)
+            return
         except ConfigError as exc:
             # The node cannot run it (a path it cannot see, ...): the cluster's setup, not the
             # configuration's result. Told as not run, never learned from; the study stops.
@@ -570,6 +579,23 @@ class StudyDriver:
         self._tell(trial, result, attempt)
         self.on_event(StudyEvent("finished", number, result=result, trial=self._frozen(number)))
 
+    def _node_lost(
+        self, trial: optuna.trial.Trial, number: int, attempt: int, exc: TrialNodeLost
+    ) -> None:
+        """A trial whose Ray node died under it: run once more (on a node that is alive, as
+        Ray places it) unless the study is cancelling; lost again, told as failed (``lost``),
+        which no sampler learns from. Each loss is kept on the trial (``nodes_lost``)."""
+        lost = [*self._frozen(number).user_attrs.get("nodes_lost", []), exc.node_id or "?"]
+        trial.set_user_attr("nodes_lost", lost)
+        if len(lost) <= NODE_LOST_RERUNS and not self._cancelled:
+            self.on_event(StudyEvent("retry", number, detail=f"run once more: {exc}"))
+            self._submit(trial, TrialView(self._frozen(number)).engine_args, attempt + 1)
+            return
+        status = TrialStatus.CANCELLED if self._cancelled else TrialStatus.LOST
+        result = TrialResult(number=number, status=status, message=str(exc))
+        self._tell(trial, result, attempt)
+        self.on_event(StudyEvent("finished", number, result=result, trial=self._frozen(number)))
+
     def _frozen(self, number: int) -> FrozenTrial:
         return self.study.get_trials(deepcopy=False)[number]
 
@@ -596,7 +622,7 @@ class StudyDriver:
             if not objectives.slos:
                 trial.set_constraint(_SERVED, -1.0)
             self.study.tell(trial, objectives.values(result.summary))
-        elif result.status in (TrialStatus.INVALID_REPLAY, TrialStatus.CANCELLED):
+        elif result.status in (TrialStatus.INVALID_REPLAY, TrialStatus.CANCELLED, TrialStatus.LOST):
             self.study.tell(trial, state=TrialState.FAIL)
         else:
             # Failed, or stopped early: a stopped replay's figures cover a partial window whose

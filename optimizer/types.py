@@ -236,6 +236,8 @@ class TrialStatus(enum.StrEnum):
     ``duplicate``: a configuration the study had already measured; no engine started.
     ``raced_out``: a capacity trial that lost the race at the study's incumbent and failed one
     step below it too: only an upper bound of its capacity is known; told as pruned.
+    ``lost``: its Ray node died under it, and again when it ran once more: the cluster's loss,
+    not a result; never told to the sampler.
     """
 
     COMPLETE = "complete"
@@ -246,6 +248,7 @@ class TrialStatus(enum.StrEnum):
     CANCELLED = "cancelled"
     DUPLICATE = "duplicate"
     RACED_OUT = "raced_out"
+    LOST = "lost"
 
 
 @dataclass(frozen=True, slots=True)

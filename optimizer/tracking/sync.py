@@ -140,7 +140,7 @@ class SyncSummary:
 
 
 #: Trial outcomes that measured nothing because the study (not the engine) stopped them.
-_NOT_RUN_STATUSES = ("rejected", "duplicate", "cancelled", "infeasible")
+_NOT_RUN_STATUSES = ("rejected", "duplicate", "cancelled", "infeasible", "lost")
 
 
 def _review_view(objectives: list[str]) -> str:
@@ -157,7 +157,7 @@ def _run_status(t: FrozenTrial) -> str:
     """The child run's MLflow status, so the runs list tells good trials from the others at a
     glance: FINISHED for a full measurement (SLOs met or not), FAILED when the engine or the
     replay failed, KILLED when the study stopped or refused it (rejected, duplicate, cancelled,
-    stopped early as infeasible)."""
+    stopped early as infeasible, lost with its node)."""
     status = TrialView(t).status
     if status in _NOT_RUN_STATUSES:
         return "KILLED"

@@ -13,7 +13,7 @@ from typing import Any
 from optimizer.types import EngineConfig, Trace, TraceRequest, TrialSpec
 from tests.fakes.trials import FakeEngine
 
-__all__ = ["Gate", "GatedEngine", "GatedEngines", "tiny_spec"]
+__all__ = ["FileGatedEngines", "Gate", "GatedEngine", "GatedEngines", "tiny_spec"]
 
 
 def tiny_spec(workdir: Path, number: int, *, model: str = "fake-model") -> TrialSpec:
@@ -116,3 +116,37 @@ class GatedEngines:
 
     def __call__(self, spec: TrialSpec) -> GatedEngine:
         return GatedEngine(spec, self.gate, self.namespace)
+
+
+class FileGatedEngine(FakeEngine):
+    """The fake server of one trial, gated through files and never through Ray, as a real
+    trial's actor is busy replaying while it runs: once up it writes ``started.json`` in its
+    trial folder (Ray node, pid), and holds its trial in ``stop`` until ``release`` appears
+    there (polled, no Ray call: a raylet's death does not reach it through a Ray call)."""
+
+    def __init__(self, spec: TrialSpec) -> None:
+        super().__init__(ttft_s=0.01, log_path=Path(spec.workdir) / "engine.log")
+        self._dir = Path(spec.workdir)
+
+    def start(self) -> None:
+        import json
+
+        import ray
+
+        super().start()
+        note = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        (self._dir / "started.json.tmp").write_text(json.dumps(note))
+        (self._dir / "started.json.tmp").rename(self._dir / "started.json")
+
+    def stop(self) -> None:
+        if self.startup_s is not None:
+            while not (self._dir / "release").exists():
+                time.sleep(0.1)
+        super().stop()
+
+
+class FileGatedEngines:
+    """Engine factory (picklable) of :class:`FileGatedEngine`."""
+
+    def __call__(self, spec: TrialSpec) -> FileGatedEngine:
+        return FileGatedEngine(spec)

@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from optimizer.config import load_job
-from optimizer.errors import ConfigError, SearchSpaceError
+from optimizer.errors import ConfigError, SearchSpaceError, TrialNodeLost
 from optimizer.report import front_rows, study_status
 from optimizer.sampling import KnowledgeSampler
 from optimizer.study import prepare
@@ -196,6 +196,62 @@ def test_invalid_replay_beyond_retries_fails_the_trial(tmp_path: Path) -> None:
     runner = FakeRunner(fail_replay_once=True)
     study = _driver(tmp_path, runner, trials=2, retries=0).run()
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.FAIL]
+
+
+class NodeLosingRunner(FakeRunner):
+    """FAKE: every tuned trial's first ``times`` attempts end as the Ray runner ends a trial
+    whose node died under it (:class:`TrialNodeLost`); then it runs as FakeRunner scores it."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+        self.losses: dict[int, int] = {}
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        if spec.number > 0 and self.losses.get(spec.number, 0) < self.times:
+            self.specs.append(spec)
+            self.losses[spec.number] = self.losses.get(spec.number, 0) + 1
+            handle = FakeHandle(spec)
+            handle.future.set_exception(TrialNodeLost("node 10.0.0.7 died", "n7"))
+            return handle
+        return super().submit(spec, gpus)
+
+
+def test_a_trial_lost_with_its_node_runs_once_more_and_only_its_measurement_is_told(
+    tmp_path: Path,
+) -> None:
+    """Issue 45, item 2: a trial whose node died is not a failure of its configuration: it
+    runs once more (its second attempt) and is told what that attempt measured."""
+    runner = NodeLosingRunner(times=1)
+    study = _driver(tmp_path, runner, trials=3, retries=0).run()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [TrialView(t).status for t in trials] == ["complete"] * 3
+    assert [t.user_attrs.get("nodes_lost") for t in trials] == [None, ["n7"], ["n7"]]
+    assert [t.user_attrs["attempts"] for t in trials] == [1, 2, 2]
+    attempts = [(s.number, s.workdir.rsplit("/", 1)[-1]) for s in runner.specs]
+    assert attempts == [
+        (0, "attempt-0"),
+        (1, "attempt-0"),
+        (1, "attempt-1"),
+        (2, "attempt-0"),
+        (2, "attempt-1"),
+    ]
+
+
+def test_a_trial_lost_twice_is_lost_and_never_told_as_a_failure(tmp_path: Path) -> None:
+    """Lost again on its second run: ``lost``, told to Optuna as FAIL (no values, no
+    constraints: nothing for a sampler to learn), never as the worst-valued failure an engine
+    crash is; not run a third time."""
+    runner = NodeLosingRunner(times=5)
+    study = _driver(tmp_path, runner, trials=3, retries=0).run()
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL]
+    assert [TrialView(t).status for t in trials[1:]] == ["lost", "lost"]
+    assert all(t.values is None and not t.system_attrs.get("constraints") for t in trials[1:])
+    assert trials[1].user_attrs["nodes_lost"] == ["n7", "n7"]
+    assert "node 10.0.0.7 died" in trials[1].user_attrs["message"]
+    assert runner.losses == {1: 2, 2: 2}
 
 
 def test_budget_stops_launching(tmp_path: Path) -> None:
