@@ -454,14 +454,14 @@ class StudyDriver:
             args = {**self.plan.engine.args, **self.plan.space.suggest(trial)}
         args = self.plan.with_acceptance(args)
         encoded = record_engine_args(trial, args)
-        twin = self._measured_twin(encoded)
+        twin = self._measured_twin(encoded, trial.number)
         if twin is not None:
             # A resumed seeded sampler, or an exhausted space: never measure a configuration
             # twice in one study.
             record_status(
                 trial,
                 TrialStatus.DUPLICATE.value,
-                f"trial {twin} measured this configuration",
+                f"trial {twin} measured (or is measuring) this configuration",
                 duplicate_of=twin,
             )
             self.study.tell(trial, state=TrialState.FAIL)
@@ -484,10 +484,17 @@ class StudyDriver:
             return
         self._submit(trial, args, attempt=0)
 
-    def _measured_twin(self, encoded_args: str) -> int | None:
-        """The number of a trial that already ran these engine arguments (None: none did)."""
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    def _measured_twin(self, encoded_args: str, number: int) -> int | None:
+        """The number of a trial that ran these engine arguments, or runs them now with a
+        lower number than trial ``number`` (None: none). The running ones are there for
+        several drivers of one study (or parallel trials): two that launch one configuration
+        at once (both drivers' baselines of a new study, or one seed's proposals) measure it
+        once, in the trial numbered first."""
+        states = (TrialState.COMPLETE, TrialState.RUNNING)
+        for t in self.study.get_trials(deepcopy=False, states=states):
             view = TrialView(t)
+            if t.state == TrialState.RUNNING and t.number >= number:
+                continue
             if view.engine_args_key == encoded_args and view.status != TrialStatus.REJECTED.value:
                 return t.number
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,44 @@ def test_a_trial_lost_twice_is_lost_and_never_told_as_a_failure(tmp_path: Path) 
     assert trials[1].user_attrs["nodes_lost"] == ["n7", "n7"]
     assert "node 10.0.0.7 died" in trials[1].user_attrs["message"]
     assert runner.losses == {1: 2, 2: 2}
+
+
+class SlowRunner(FakeRunner):
+    """FAKE: FakeRunner's results, each after ``delay_s`` (trials overlap in time)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+        done = super().submit(spec, gpus).future.result()
+        handle = FakeHandle(spec)
+        threading.Timer(self.delay_s, handle.future.set_result, (done,)).start()
+        return handle
+
+
+def test_two_drivers_of_one_new_study_measure_one_baseline_and_no_configuration_twice(
+    tmp_path: Path,
+) -> None:
+    """Issue 45, item 3: two drivers start one study at once on one storage (as on two
+    nodes), with the same sampler seed, so both enqueue a baseline and propose the same
+    configurations in the same order. Each configuration is measured once (the trial numbered
+    first; the other is a duplicate), and there is one baseline."""
+    drivers = [_driver(tmp_path, SlowRunner(0.3), trials=8) for _ in range(2)]
+    threads = [threading.Thread(target=d.run) for d in drivers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    trials = drivers[0].study.get_trials()
+    assert not [t.number for t in trials if t.state == TrialState.RUNNING]
+    measured = [t for t in trials if t.state == TrialState.COMPLETE]
+    args = [TrialView(t).engine_args_key for t in measured]
+    assert len(args) == len(set(args)), args
+    assert sum(1 for t in measured if TrialView(t).is_baseline) == 1
+    duplicates = [t for t in trials if TrialView(t).status == "duplicate"]
+    assert duplicates, "the drivers never launched one configuration at once: no test"
+    assert all(t.user_attrs["duplicate_of"] < t.number for t in duplicates)
 
 
 def test_budget_stops_launching(tmp_path: Path) -> None:
