@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -384,12 +385,24 @@ def _node_lost_errors(
     return out
 
 
-def lost_node(exc: BaseException, node_ref: Any, timeout_s: float = 10.0) -> Any:
+#: How long an actor that became unreachable (``ActorUnavailableError``: its node's sockets
+#: closed) may wait for the cluster to decide whether its node is dead: Ray marks a silent node
+#: dead after its health checks fail (about 15-30 s by default).
+NODE_VERDICT_S = 90.0
+
+
+def lost_node(
+    exc: BaseException, node_ref: Any, timeout_s: float = 10.0, verdict_s: float = NODE_VERDICT_S
+) -> Any:
     """A :class:`~optimizer.errors.TrialNodeLost` when ``exc`` is a trial actor's death on a
     node the cluster no longer has alive, None otherwise (a death on a live node, such as a
     kill for memory, is the trial's own failure). The node is the one the actor said it ran
     on (``node_ref``); an actor that died before it could say is lost with its node when
-    Ray's message says so. ``node_ref`` may be the node's id itself, once known."""
+    Ray's message says so. ``node_ref`` may be the node's id itself, once known.
+
+    A node taken away whole first shows as an unreachable actor while the cluster still
+    lists the node alive: for an ``ActorUnavailableError`` the cluster's verdict on the node
+    is awaited (at most ``verdict_s``)."""
     import ray
 
     from optimizer.errors import TrialNodeLost
@@ -402,11 +415,17 @@ def lost_node(exc: BaseException, node_ref: Any, timeout_s: float = 10.0) -> Any
     if not node_id:
         with contextlib.suppress(Exception):
             node_id = str(ray.get(node_ref, timeout=timeout_s) or "")
-    try:
-        nodes = ray.nodes()  # type: ignore[no-untyped-call]
-    except Exception:
-        return None  # the cluster does not answer: the driver's own loss, judged elsewhere
-    alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+    unreachable = isinstance(exc, ray.exceptions.ActorUnavailableError)
+    deadline = time.monotonic() + (verdict_s if unreachable and node_id else 0.0)
+    while True:
+        try:
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        except Exception:
+            return None  # the cluster does not answer: the driver's own loss, judged elsewhere
+        alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+        if not node_id or node_id not in alive or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if node_id:
         if node_id in alive:
