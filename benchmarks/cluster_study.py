@@ -144,15 +144,18 @@ def main() -> None:
     study = optuna.load_study(study_name=summary.study_name, storage=storage)
     rows = []
     for t in study.get_trials():
-        for attempt in _attempts(out, t.number):
+        attempts = _attempts(out, t.number)
+        for attempt in attempts:
             where = _placement(attempt)
+            # every attempt but a trial's last ended with its node (the study ran it once more)
+            ended = "lost (node)" if attempt != attempts[-1] else t.user_attrs.get("status")
             rows.append(
                 {
                     "trial": t.number,
                     "attempt": attempt.name,
                     "node": names.get(where.get("node_id", ""), "?"),
                     "started_s": round(seen.get(str(attempt.relative_to(out)), 0) - started, 1),
-                    "status": t.user_attrs.get("status"),
+                    "status": ended,
                     "state": t.state.name,
                     "nodes_lost": t.user_attrs.get("nodes_lost"),
                 }
@@ -174,10 +177,10 @@ def main() -> None:
         "rows": rows,
     }
     (out / "cluster_study.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{'trial':>5} {'attempt':>9} {'node':>9} {'status':>10} {'state':>8}  nodes lost")
+    print(f"{'trial':>5} {'attempt':>9} {'node':>9} {'status':>11} {'state':>8}  nodes lost")
     for r in rows:
         print(
-            f"{r['trial']:>5} {r['attempt']:>9} {r['node']:>9} {r['status'] or '-':>10} "
+            f"{r['trial']:>5} {r['attempt']:>9} {r['node']:>9} {r['status'] or '-':>11} "
             f"{r['state']:>8}  {r['nodes_lost'] or '-'}"
         )
     print(f"tune exit {tune.returncode}; the loss cost {cost} s; wall {doc['wall_s']} s")
