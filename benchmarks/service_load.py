@@ -520,8 +520,8 @@ def _mib(rss: list[int]) -> str:
 def table(rows: list[Row]) -> str:
     out = [
         "| phase | s | sent | answers | submit median s | /healthz median / p95 / max ms "
-        "(probes, failed) | replica + checks RSS MiB |",
-        "|---|---|---|---|---|---|---|",
+        "(probes, failed) | over 100 ms | replica + checks RSS MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(r.tally.answers.items())) or "-"
@@ -532,9 +532,11 @@ def table(rows: list[Row]) -> str:
             if ms
             else "-"
         )
+        slow = sorted(round(m) for m in ms if m > 100.0)
+        over = f"{len(slow)}" + (f" ({', '.join(map(str, slow[-5:]))} ms)" if slow else "")
         out.append(
             f"| {r.phase} | {r.seconds:.0f} | {r.tally.sent} | {answers} | {took} | {health} "
-            f"| {_mib(r.rss)} |"
+            f"| {over} | {_mib(r.rss)} |"
         )
     return "\n".join(out)
 
