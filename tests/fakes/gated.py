@@ -13,7 +13,7 @@ from typing import Any
 from optimizer.types import EngineConfig, Trace, TraceRequest, TrialSpec
 from tests.fakes.trials import FakeEngine
 
-__all__ = ["FileGatedEngines", "Gate", "GatedEngine", "GatedEngines", "tiny_spec"]
+__all__ = ["FileGatedEngines", "Gate", "GatedEngine", "GatedEngines", "QuickEngines", "tiny_spec"]
 
 
 def tiny_spec(workdir: Path, number: int, *, model: str = "fake-model") -> TrialSpec:
@@ -150,3 +150,11 @@ class FileGatedEngines:
 
     def __call__(self, spec: TrialSpec) -> FileGatedEngine:
         return FileGatedEngine(spec)
+
+
+class QuickEngines:
+    """Engine factory (picklable) of plain fake servers: each trial replays its trace against
+    the fake OpenAI server in its actor and ends by itself."""
+
+    def __call__(self, spec: TrialSpec) -> FakeEngine:
+        return FakeEngine(ttft_s=0.005, log_path=Path(spec.workdir) / "engine.log")

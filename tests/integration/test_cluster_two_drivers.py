@@ -1,0 +1,124 @@
+"""Two drivers of one study on two nodes of a Ray cluster (issue 45, item 3): a real
+``ray.cluster_utils.Cluster`` on loopback (a head that declares no CPUs, two worker nodes), each
+driver a Ray actor pinned to a worker of its own, both started at once on one study in one
+storage (PostgreSQL where CI provides it, ``VLLM_AUTOTUNE_TEST_POSTGRES``; else an SQLite file
+every node of this machine sees) with the same sampler seed, so that both enqueue a baseline
+and propose the same configurations in the same order. Their trials run in actors the cluster
+places, each engine a FAKE (tests/fakes/gated.py, :class:`QuickEngines`: the fake OpenAI
+server). One baseline, no configuration measured twice, no trial left running, the trial count
+kept, and both drivers' trials measured."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from optimizer.trial_view import TrialView
+from tests.integration.loopback_cluster import ray_temp_dir, start_cluster, stop_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
+TRIALS = 6
+
+
+class _Driver:
+    """A study's driver in a Ray actor (the test's own wrapper around the real StudyDriver
+    and RayRunner, whose trials run fake engines)."""
+
+    def run(self, job_doc: dict[str, Any], base: str) -> str:
+        from optimizer.config import load_job
+        from optimizer.runners import RayRunner
+        from optimizer.study import prepare
+        from optimizer.study_driver import StudyDriver
+        from tests.fakes.gated import QuickEngines
+
+        job, where = load_job(job_doc, base=Path(base))
+        plan = prepare(job, where, check_flags=False)
+        runner = RayRunner(capacity=1, cpus_per_trial=0.25, engine_factory=QuickEngines())
+        try:
+            StudyDriver(plan, runner, heartbeat_interval_s=1, grace_period_s=5).run()
+        finally:
+            runner.close()
+        return str(ray.get_runtime_context().get_node_id())
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Any, list[Any]]]:
+    if ray.is_initialized():
+        ray.shutdown()
+    with ray_temp_dir():
+        cluster, workers = start_cluster(
+            {"num_cpus": 0, "num_gpus": 0},
+            {"num_cpus": 1, "num_gpus": 0},
+            {"num_cpus": 1, "num_gpus": 0},
+        )
+        try:
+            yield cluster, workers
+        finally:
+            stop_cluster(cluster)
+
+
+def _job(tmp_path: Path, storage: str) -> dict[str, Any]:
+    return {
+        "name": f"two-drivers-{uuid.uuid4().hex[:8]}",
+        "model": {"path": str(tmp_path / "model"), "make": "tiny"},
+        "engine": {"args": {"max-model-len": 2048}},
+        "trace": {
+            "path": str(REPO / "examples" / "traces" / "azure2023_code_600.csv"),
+            "shaping": {"window_s": [0, 3], "max_model_len": 2048, "max_output_tokens": 4},
+            "warmup_requests": 0,
+            "max_send_lag_ms": 5000,
+        },
+        "search_space": {
+            "name": "t",
+            "params": {"max-num-seqs": {"type": "categorical", "choices": [4, 8, 16, 32, 64]}},
+        },
+        "objectives": {"preset": "default"},
+        "sampler": {"name": "random", "seed": 7},
+        "trials": TRIALS,
+        "storage": storage,
+        "mlflow": {"enabled": False},
+        "out": str(tmp_path / "out"),
+    }
+
+
+def test_two_drivers_on_two_nodes_share_one_study(
+    cluster: tuple[Any, list[Any]], tmp_path: Path
+) -> None:
+    the_cluster, workers = cluster
+    storage = os.environ.get("VLLM_AUTOTUNE_TEST_POSTGRES") or f"sqlite:///{tmp_path / 'db'}"
+    job = _job(tmp_path, storage)
+    ray.init(address=the_cluster.address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(num_cpus=0)(_Driver)
+    drivers = [
+        actor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(w.node_id, soft=False)
+        ).remote()
+        for w in workers
+    ]
+    ran_on = ray.get([d.run.remote(job, str(tmp_path)) for d in drivers], timeout=400)
+    assert sorted(ran_on) == sorted(w.node_id for w in workers)
+
+    study = optuna.load_study(study_name=job["name"], storage=storage)
+    trials = study.get_trials()
+    assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    measured = [t for t in trials if t.state == TrialState.COMPLETE]
+    keys = [TrialView(t).engine_args_key for t in measured]
+    assert len(keys) == len(set(keys)), keys
+    assert sum(1 for t in measured if TrialView(t).is_baseline) == 1
+    duplicates = [t for t in trials if TrialView(t).status == "duplicate"]
+    assert TRIALS <= len(measured) + len(duplicates) <= TRIALS + 1
+    pids = {(t.system_attrs["driver"]["host"], t.system_attrs["driver"]["pid"]) for t in measured}
+    assert len(pids) == 2, pids
