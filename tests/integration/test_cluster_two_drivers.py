@@ -11,6 +11,7 @@ kept, and both drivers' trials measured."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,18 +34,20 @@ TRIALS = 6
 
 class _Driver:
     """A study's driver in a Ray actor (the test's own wrapper around the real StudyDriver
-    and RayRunner, whose trials run fake engines)."""
+    and RayRunner, whose trials run fake engines: ones that end by themselves, or with
+    ``held`` ones that hold each trial until a file releases it)."""
 
-    def run(self, job_doc: dict[str, Any], base: str) -> str:
+    def run(self, job_doc: dict[str, Any], base: str, held: bool = False) -> str:
         from optimizer.config import load_job
         from optimizer.runners import RayRunner
         from optimizer.study import prepare
         from optimizer.study_driver import StudyDriver
-        from tests.fakes.gated import QuickEngines
+        from tests.fakes.gated import FileGatedEngines, QuickEngines
 
         job, where = load_job(job_doc, base=Path(base))
         plan = prepare(job, where, check_flags=False)
-        runner = RayRunner(capacity=1, cpus_per_trial=0.25, engine_factory=QuickEngines())
+        engines = FileGatedEngines() if held else QuickEngines()
+        runner = RayRunner(capacity=1, cpus_per_trial=0.25, engine_factory=engines)
         try:
             StudyDriver(plan, runner, heartbeat_interval_s=1, grace_period_s=5).run()
         finally:
@@ -122,3 +125,41 @@ def test_two_drivers_on_two_nodes_share_one_study(
     assert TRIALS <= len(measured) + len(duplicates) <= TRIALS + 1
     pids = {(t.system_attrs["driver"]["host"], t.system_attrs["driver"]["pid"]) for t in measured}
     assert len(pids) == 2, pids
+
+
+def test_a_study_whose_drivers_node_dies_resumes_with_another_driver(
+    cluster: tuple[Any, list[Any]], tmp_path: Path
+) -> None:
+    """Issue 45, item 2: the driver's node lost mid-trial (removed whole, the driver with it);
+    a driver on the other node resumes the study from its storage: the dead driver's trial is
+    failed (``driver_died``) and its configuration re-queued, and no configuration is measured
+    twice."""
+    the_cluster, (first_node, second_node) = cluster
+    storage = os.environ.get("VLLM_AUTOTUNE_TEST_POSTGRES") or f"sqlite:///{tmp_path / 'db'}"
+    job = _job(tmp_path, storage)
+    ray.init(address=the_cluster.address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def driver_on(node: Any) -> Any:
+        strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        return ray.remote(num_cpus=0)(_Driver).options(scheduling_strategy=strategy).remote()
+
+    first = driver_on(first_node)
+    first.run.remote(job, str(tmp_path), True)  # its trials hold until released: never here
+    started = tmp_path / "out" / "trials" / "0000" / "attempt-0" / "started.json"
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert time.monotonic() < deadline, "the first driver's baseline never started"
+        time.sleep(0.2)
+    the_cluster.remove_node(first_node, allow_graceful=False)
+
+    ray.get(driver_on(second_node).run.remote(job, str(tmp_path)), timeout=300)
+    trials = optuna.load_study(study_name=job["name"], storage=storage).get_trials()
+    assert trials[0].state == TrialState.FAIL
+    assert TrialView(trials[0]).status == "driver_died"
+    assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    measured = [t for t in trials if t.state == TrialState.COMPLETE]
+    keys = [TrialView(t).engine_args_key for t in measured]
+    assert len(keys) == len(set(keys)), keys
+    baselines = [t for t in measured if TrialView(t).is_baseline]
+    assert len(baselines) == 1 and baselines[0].user_attrs.get("retry_of") == 0
