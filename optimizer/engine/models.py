@@ -13,6 +13,9 @@ generated token, which is what TTFT and ITL measurements need.
 from __future__ import annotations
 
 import json
+import os
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +258,8 @@ def write_seeded_weights(directory: str | Path, seed: int, std: float = 0.02) ->
         for name, shape in _llama_shapes(config).items()
     }
     out = folder / WEIGHTS_FILE
-    save_file(tensors, str(out), metadata={"format": "pt", "seed": str(seed), "std": str(std)})
+    meta = {"format": "pt", "seed": str(seed), "std": str(std)}
+    _atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     return out
 
 
@@ -279,12 +283,29 @@ def needs_making(directory: str | Path, weights_seed: int | None) -> bool:
     return weights_seed is not None and weights_seed_of(folder) != weights_seed
 
 
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through ``write(tmp)`` on a temporary name beside it, then rename it into
+    place: a reader (another driver making the same folder on a shared filesystem) sees the
+    old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def _write_tokenizer(out: Path, spec: dict[str, Any], special: dict[int, str], preset: str) -> None:
     """The folder's tokenizer files: the local tokenizer, its config and special tokens."""
     tok = _build_tokenizer(int(spec["vocab_size"]), special)
-    tok.save(str(out / "tokenizer.json"))
+    _atomic(out / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
     bos, eos = special[spec["bos_token_id"]], special[spec["eos_token_id"]]
-    (out / "tokenizer_config.json").write_text(
+    _write_text(
+        out / "tokenizer_config.json",
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
@@ -299,10 +320,11 @@ def _write_tokenizer(out: Path, spec: dict[str, Any], special: dict[int, str], p
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n"
+    _write_text(
+        out / "special_tokens_map.json",
+        json.dumps({"bos_token": bos, "eos_token": eos, "pad_token": eos}, indent=2) + "\n",
     )
 
 
@@ -350,8 +372,8 @@ def make_model(
         config.pop("attention_bias")
         config.pop("mlp_bias")
         config.pop("pretraining_tp")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(
+    _write_text(
+        out / "generation_config.json",
         json.dumps(
             {
                 "bos_token_id": spec["bos_token_id"],
@@ -360,9 +382,12 @@ def make_model(
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
     _write_tokenizer(out, spec, special, preset)
+    # config.json last: a folder with it is whole (needs_making reads it), even while another
+    # driver makes the same folder on a shared filesystem.
+    _write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     if weights_seed is not None:
         write_seeded_weights(out, weights_seed)
     else:

@@ -37,7 +37,12 @@ class _Driver:
     and RayRunner, whose trials run fake engines: ones that end by themselves, or with
     ``held`` ones that hold each trial until a file releases it)."""
 
-    def run(self, job_doc: dict[str, Any], base: str, held: bool = False) -> str:
+    def run(
+        self, job_doc: dict[str, Any], base: str, held: bool = False, go: str | None = None
+    ) -> str:
+        """Prepare the study, then (with ``go``) say so in ``go``.ready-<node> and wait for
+        the file ``go`` before driving it: both drivers then start at once, however long
+        their actors took to start."""
         from optimizer.config import load_job
         from optimizer.runners import RayRunner
         from optimizer.study import prepare
@@ -48,6 +53,11 @@ class _Driver:
         plan = prepare(job, where, check_flags=False)
         engines = FileGatedEngines() if held else QuickEngines()
         runner = RayRunner(capacity=1, cpus_per_trial=0.25, engine_factory=engines)
+        if go is not None:
+            node = ray.get_runtime_context().get_node_id()
+            Path(f"{go}.ready-{node}").touch()
+            while not Path(go).exists():
+                time.sleep(0.05)
         try:
             StudyDriver(plan, runner, heartbeat_interval_s=1, grace_period_s=5).run()
         finally:
@@ -111,7 +121,14 @@ def test_two_drivers_on_two_nodes_share_one_study(
         ).remote()
         for w in workers
     ]
-    ran_on = ray.get([d.run.remote(job, str(tmp_path)) for d in drivers], timeout=400)
+    go = tmp_path / "go"
+    runs = [d.run.remote(job, str(tmp_path), False, str(go)) for d in drivers]
+    deadline = time.monotonic() + 180
+    while len(list(tmp_path.glob("go.ready-*"))) < len(drivers):
+        assert time.monotonic() < deadline, "the drivers did not get ready"
+        time.sleep(0.1)
+    go.touch()  # both at once: each enqueues a baseline and proposes with one seed
+    ran_on = ray.get(runs, timeout=400)
     assert sorted(ran_on) == sorted(w.node_id for w in workers)
 
     study = optuna.load_study(study_name=job["name"], storage=storage)
