@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil
 import pytest
 from optuna.trial import TrialState
 
@@ -79,6 +80,13 @@ def cluster() -> Iterator[tuple[Any, list[Any]]]:
             yield cluster, workers
         finally:
             stop_cluster(cluster)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _job(tmp_path: Path, storage: str) -> dict[str, Any]:
@@ -168,7 +176,15 @@ def test_a_study_whose_drivers_node_dies_resumes_with_another_driver(
     while not started.exists():
         assert time.monotonic() < deadline, "the first driver's baseline never started"
         time.sleep(0.2)
+    dead = optuna.load_study(study_name=job["name"], storage=storage).trials[0]
+    pid = dead.system_attrs["driver"]["pid"]
     the_cluster.remove_node(first_node, allow_graceful=False)
+    # The next driver fails a dead driver's trials when it starts: on this host by the dead
+    # driver's pid (gone once its node is), elsewhere by Optuna's heartbeat (after its grace).
+    deadline = time.monotonic() + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the first driver (pid {pid}) outlived its node"
+        time.sleep(0.2)
 
     ray.get(driver_on(second_node).run.remote(job, str(tmp_path)), timeout=300)
     trials = optuna.load_study(study_name=job["name"], storage=storage).get_trials()
