@@ -13,6 +13,7 @@ Imports optuna, never ray or mlflow (those live behind the runner and tracking s
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,9 +413,21 @@ def create_storage(
         engine_kwargs = {"connect_args": {"timeout": 60}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine_kwargs,
-        heartbeat_interval=heartbeat_interval_s,
-        grace_period=grace_period_s,
-    )
+    import sqlalchemy.exc
+
+    # Two drivers starting at once on a fresh database both create Optuna's tables; on
+    # PostgreSQL the loser's CREATE TYPE fails with a unique violation (pg_type). The tables
+    # are there by then: try again.
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval_s,
+                grace_period=grace_period_s,
+            )
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -35,7 +35,10 @@ def _replay(url: str, tmp_path: Path, *extra: str) -> int:
 
 
 def test_prompts_stay_within_the_served_vocabulary(small_vocab_server: str, tmp_path: Path) -> None:
-    assert _replay(small_vocab_server, tmp_path) == 0
+    # 3: the client missed its schedule (a busy machine: p99 send lag 33 ms was seen in CI),
+    # which is not what this test is about; a prompt past the vocabulary fails its request
+    # (HTTP 400): exit 4, and the counts below.
+    assert _replay(small_vocab_server, tmp_path) in (0, 3)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["failed"] == 0 and summary["completed"] == 11
 
