@@ -75,6 +75,9 @@ _DRIVER_ATTR = "driver"
 _SERVED = "engine_served"
 #: How many times a trial whose Ray node died under it runs once more (issue 45).
 NODE_LOST_RERUNS = 1
+#: How long a new trial waits for a lower-numbered running trial's engine arguments to be
+#: recorded before it decides whether it repeats them.
+_TWIN_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -491,7 +494,22 @@ class StudyDriver:
         at once (both drivers' baselines of a new study, or one seed's proposals) measure it
         once, in the trial numbered first."""
         states = (TrialState.COMPLETE, TrialState.RUNNING)
-        for t in self.study.get_trials(deepcopy=False, states=states):
+        deadline = time.monotonic() + _TWIN_WAIT_S
+        while True:
+            trials = self.study.get_trials(deepcopy=False, states=states)
+            # A lower-numbered trial another driver has just asked for records its engine
+            # arguments a moment later: wait for them (at most _TWIN_WAIT_S).
+            unread = [
+                t
+                for t in trials
+                if t.state == TrialState.RUNNING
+                and t.number < number
+                and TrialView(t).engine_args_key is None
+            ]
+            if not unread or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        for t in trials:
             view = TrialView(t)
             if t.state == TrialState.RUNNING and t.number >= number:
                 continue
