@@ -131,9 +131,12 @@ def _driver_dead(ident: Any) -> bool:
     if not isinstance(ident, dict) or ident.get("host") != socket.gethostname():
         return False
     try:
-        return (
-            abs(psutil.Process(int(ident["pid"])).create_time() - float(ident["create_time"])) > 1.0
-        )
+        proc = psutil.Process(int(ident["pid"]))
+        if abs(proc.create_time() - float(ident["create_time"])) > 1.0:
+            return True  # the pid was reused
+        # A driver killed with its Ray node can stay a zombie where nothing reaps orphans
+        # (a container whose init does not): it has exited, its trials are left.
+        return proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 

@@ -905,3 +905,38 @@ def test_a_node_that_cannot_run_a_trial_stops_the_study_and_teaches_the_sampler_
     assert TrialView(trial).status == "cancelled"
     assert TrialView(trial).message.startswith("not run: node n1 cannot see")
     assert len(driver.study.trials) == 2  # nothing launched after it
+
+
+def test_a_driver_left_a_zombie_counts_as_dead_and_a_running_one_does_not() -> None:
+    """A driver killed with its Ray node can stay a zombie where no init reaps orphans (seen
+    in CI: the next driver left its trial RUNNING); a live driver is never judged dead."""
+    import socket
+    import time
+
+    import psutil
+
+    from optimizer.study_driver import _driver_dead
+
+    def ident(pid: int) -> dict[str, Any]:
+        return {
+            "host": socket.gethostname(),
+            "pid": pid,
+            "create_time": psutil.Process(pid).create_time(),
+        }
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        live_ident, zombie_ident = ident(live.pid), ident(zombie.pid)
+        deadline = time.monotonic() + 30
+        while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _driver_dead(zombie_ident)  # exited, not yet reaped
+        assert not _driver_dead(live_ident)
+        assert _driver_dead({**live_ident, "create_time": live_ident["create_time"] - 60})
+        assert not _driver_dead({**zombie_ident, "host": "another-host"})  # heartbeat's call
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
