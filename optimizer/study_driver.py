@@ -189,6 +189,7 @@ class StudyDriver:
             grace_period_s=grace_period_s,
         )
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.grace_period_s = grace_period_s
         job = plan.job
         self.study = optuna.create_study(
             study_name=plan.storage_name,
@@ -406,6 +407,7 @@ class StudyDriver:
 
     def _loop(self) -> None:
         last_beat = 0.0
+        last_recovered = time.monotonic()  # run() recovered just before
         while True:
             while len(self._running) < self.runner.capacity and self._may_launch():
                 self._launch_next()
@@ -422,6 +424,12 @@ class StudyDriver:
             if time.monotonic() - last_beat >= self.heartbeat_interval_s / 2:
                 self._heartbeat()
                 last_beat = time.monotonic()
+            if time.monotonic() - last_recovered >= self.grace_period_s / 2:
+                # Another driver that died while this one runs (its node lost, or its host)
+                # leaves trials RUNNING whose heartbeat expires only after this one started:
+                # failed and re-enqueued here, not at some later start.
+                self.recover()
+                last_recovered = time.monotonic()
             for fut in done:
                 self._collect(futures[fut], fut)
             self._poll_progress()

@@ -940,3 +940,39 @@ def test_a_driver_left_a_zombie_counts_as_dead_and_a_running_one_does_not() -> N
         live.kill()
         live.wait()
         zombie.wait()
+
+
+def test_a_running_driver_recovers_a_trial_whose_driver_dies_after_it_started(
+    tmp_path: Path,
+) -> None:
+    """A driver on another host dies while this one runs: its trial's heartbeat expires only
+    after this driver's start, and this driver fails and re-runs it while it runs (before,
+    only a later start did, and the study ended with the trial RUNNING)."""
+    import time
+
+    class SlowRunner(FakeRunner):
+        def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+            time.sleep(0.4)  # a trial takes time: the driver's loop goes round meanwhile
+            return super().submit(spec, gpus)
+
+    _driver(tmp_path, FakeRunner(), trials=2).run()
+    storage_url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    storage = optuna.storages.RDBStorage(storage_url, heartbeat_interval=1, grace_period=2)
+    study = optuna.load_study(study_name="fake", storage=storage)
+    orphan = study.ask()
+    orphan.suggest_int("max-num-seqs", 1, 256, log=True)
+    orphan.suggest_categorical("max-num-batched-tokens", [64, 4096])
+    orphan.suggest_categorical("enable-chunked-prefill", [True])
+    storage.set_trial_system_attr(
+        orphan._trial_id, "driver", {"host": "another-host", "pid": 1, "create_time": 0.0}
+    )
+    storage.record_heartbeat(orphan._trial_id)  # alive when the next driver starts
+    lost = orphan.number
+
+    study = _driver(tmp_path, SlowRunner(), trials=8).run()
+    trials = study.get_trials()
+    assert trials[lost].state == TrialState.FAIL
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == lost]
+    assert len(retried) == 1 and retried[0].params == orphan.params
+    assert retried[0].state == TrialState.COMPLETE
+    assert not [t.number for t in trials if t.state == TrialState.RUNNING]
