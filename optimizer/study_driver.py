@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -61,6 +63,8 @@ from optimizer.trial_view import (
 )
 from optimizer.types import TrialResult, TrialSpec, TrialStatus
 from search_spaces import check_constraints
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_REPEATS",
@@ -190,6 +194,9 @@ class StudyDriver:
         )
         self.heartbeat_interval_s = heartbeat_interval_s
         self.grace_period_s = grace_period_s
+        #: The trials this driver asked, by number (their storage ids): those not finished
+        #: get heartbeats (:meth:`_beat`).
+        self._asked: dict[int, int] = {}
         job = plan.job
         self.study = optuna.create_study(
             study_name=plan.storage_name,
@@ -398,15 +405,30 @@ class StudyDriver:
                 )
         else:
             self._enqueue_on_resume(trials)
+        stop = threading.Event()
+        beats = threading.Thread(target=self._beat, args=(stop,), name="heartbeat", daemon=True)
+        beats.start()
         try:
             self._loop()
         finally:
+            stop.set()
+            beats.join(timeout=10)
             for handle, _trial, _attempt in list(self._running.values()):
                 self.runner.cancel(handle)
         return self.study
 
+    def _beat(self, stop: threading.Event) -> None:
+        """Record the running trials' heartbeats every half interval, apart from the loop (as
+        Optuna's ``optimize`` does): a loop busy for a while (a sampler's fit, a slow
+        submission, a storage lock) never lets a live driver's trials look dead to another
+        driver's :meth:`recover`."""
+        while not stop.wait(self.heartbeat_interval_s / 2):
+            try:
+                self._heartbeat()
+            except Exception as exc:  # the storage unreachable for a moment: the next beat
+                log.warning("heartbeat not recorded: %s", exc)
+
     def _loop(self) -> None:
-        last_beat = 0.0
         last_recovered = time.monotonic()  # run() recovered just before
         while True:
             while len(self._running) < self.runner.capacity and self._may_launch():
@@ -421,9 +443,6 @@ class StudyDriver:
                 timeout=min(5.0, float(self.heartbeat_interval_s)),
                 return_when=concurrent.futures.FIRST_COMPLETED,
             )
-            if time.monotonic() - last_beat >= self.heartbeat_interval_s / 2:
-                self._heartbeat()
-                last_beat = time.monotonic()
             if time.monotonic() - last_recovered >= self.grace_period_s / 2:
                 # Another driver that died while this one runs (its node lost, or its host)
                 # leaves trials RUNNING whose heartbeat expires only after this one started:
@@ -449,9 +468,14 @@ class StudyDriver:
             self.on_event(StudyEvent("progress", number, detail=progress_line(doc)))
 
     def _heartbeat(self) -> None:
+        """A heartbeat for each trial this driver asked that is not finished yet (running, or
+        between its ask and its submission)."""
         if isinstance(self.storage, optuna.storages.RDBStorage):
-            for _h, trial, _a in self._running.values():
-                self.storage.record_heartbeat(trial._trial_id)
+            for number, trial_id in list(self._asked.items()):
+                if self.storage.get_trial(trial_id).state.is_finished():
+                    self._asked.pop(number, None)
+                else:
+                    self.storage.record_heartbeat(trial_id)
 
     def _launch_next(self) -> None:
         with warnings.catch_warnings():
@@ -459,6 +483,7 @@ class StudyDriver:
             # them itself (see _heartbeat), which is what ask/tell needs.
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = self.study.ask()
+        self._asked[trial.number] = trial._trial_id
         trial.storage.set_trial_system_attr(trial._trial_id, _DRIVER_ATTR, _driver_identity())
         if isinstance(self.storage, optuna.storages.RDBStorage):
             self.storage.record_heartbeat(trial._trial_id)

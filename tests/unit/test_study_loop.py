@@ -976,3 +976,38 @@ def test_a_running_driver_recovers_a_trial_whose_driver_dies_after_it_started(
     assert len(retried) == 1 and retried[0].params == orphan.params
     assert retried[0].state == TrialState.COMPLETE
     assert not [t.number for t in trials if t.state == TrialState.RUNNING]
+
+
+def test_a_driver_busy_past_the_grace_period_keeps_its_trials_alive(tmp_path: Path) -> None:
+    """The heartbeats beat apart from the loop: a driver held for longer than the grace
+    period (here in a trial's submission) never has its trial failed as stale by another
+    driver's recovery (before, heartbeats were recorded by the loop, between its waits)."""
+    import time
+
+    release = threading.Event()
+    held: list[int] = []
+
+    class HeldRunner(FakeRunner):
+        def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
+            if spec.number == 1:
+                held.append(spec.number)
+                release.wait(20)
+            return super().submit(spec, gpus)
+
+    driver = _driver(tmp_path, HeldRunner(), trials=3)
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(driver.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not held:
+        assert time.monotonic() < deadline, "trial 1 never reached its submission"
+        time.sleep(0.05)
+    time.sleep(3.5)  # the grace period is 2 s
+    storage_url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    other = optuna.storages.RDBStorage(storage_url, heartbeat_interval=1, grace_period=2)
+    study = optuna.load_study(study_name="fake", storage=other)
+    optuna.storages.fail_stale_trials(study)  # what another driver's recovery runs
+    assert study.get_trials()[1].state == TrialState.RUNNING
+    release.set()
+    thread.join(60)
+    assert done and done[0].get_trials()[1].state == TrialState.COMPLETE
