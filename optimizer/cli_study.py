@@ -148,10 +148,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         if tracker is not None:
             driver.on_event = _chain(on_event, tracker.on_event)
         study = driver.run()
+        # Before the study's review is written: report.md and MLflow carry the gate's
+        # verdicts. Through the study's runner: on a Ray cluster, on GPUs no trial holds.
+        _quality_stage(plan, study, runner)
     finally:
         runner.close()
-    # Before the study's review is written: report.md and MLflow carry the gate's verdicts.
-    _quality_stage(plan, study)
     if tracker is not None and tracker.finish(study) and tracker.experiment_id:
         from optimizer.tracking import review_url
 
@@ -177,14 +178,20 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _quality_stage(plan: Any, study: Any) -> None:
+def _quality_stage(plan: Any, study: Any, runner: Any = None) -> None:
     """The job's ``quality.enabled``: the quality gate on the feasible front's
-    numeric-changing members, once the trials' servers are down (:mod:`optimizer.quality`)."""
+    numeric-changing members, once the trials' servers are down (:mod:`optimizer.quality`),
+    each check through ``runner`` (its ``call``) where it has one."""
     if not plan.job.quality.enabled:
         return
     from optimizer.quality_check import gate_plan, verdict_table
 
-    done = gate_plan(plan, study, progress=lambda line: console.print(f"[dim]{escape(line)}[/]"))
+    done = gate_plan(
+        plan,
+        study,
+        progress=lambda line: console.print(f"[dim]{escape(line)}[/]"),
+        runner=runner,
+    )
     if any(v.levers for _n, v in done):
         console.print(verdict_table(done))
 

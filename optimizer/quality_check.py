@@ -1,9 +1,12 @@
 """The quality gate on a prepared study, and ``vllm-autotune quality STUDY_DIR``.
 
-Above the study (it takes a :class:`~optimizer.study.StudyPlan`): the study driver runs
-:func:`gate_plan` before it ends (``quality.enabled``), and ``vllm-autotune quality`` runs it on
-a study folder, for the front or for named trials. The servers run where this process runs,
-one at a time, beside no trial (on a GPU host: the GPUs this process sees).
+Above the study (it takes a :class:`~optimizer.study.StudyPlan`): ``tune`` and the service's
+study drivers run :func:`gate_plan` before a study ends (``quality.enabled``), and
+``vllm-autotune quality`` runs it on a study folder, for the front or for named trials. The
+servers run one at a time, beside no trial: given the study's runner, each check in an actor
+of its own pinned to the GPUs its servers need (:meth:`optimizer.runners.RayRunner.call`);
+without one (``quality``, ``export``), where this process runs (on a GPU host: the GPUs it
+sees).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from rich.table import Table
 from optimizer.engine.models import model_info
 from optimizer.quality.check import Verdict
 from optimizer.quality.run import prompts_for
-from optimizer.quality.stage import gate_front, settings_of
+from optimizer.quality.stage import Place, gate_front, settings_of
+from optimizer.trial_view import gpus_per_server
 
 if TYPE_CHECKING:
     import optuna
@@ -37,11 +41,13 @@ def gate_plan(
     *,
     only: Sequence[int] | None = None,
     progress: Callable[[str], None] | None = None,
+    runner: Any = None,
 ) -> list[tuple[int, Verdict]]:
     """The gate over ``study``'s front (or the trials ``only`` names), in ``plan.out/quality``.
 
     Each server gets the environment its trial ran with; the prompts are the trace's first
-    requests, built as the replay builds them.
+    requests, built as the replay builds them. ``runner``: the study's trial runner; a check
+    then runs through its ``call`` on the GPUs the larger of its two servers needs.
     """
     settings = settings_of(plan.job.quality)
     workdir = Path(plan.out) / "quality"
@@ -53,6 +59,19 @@ def gate_plan(
 
     model = plan.engine.model
     vocab = model_info(model).vocab_size if Path(model).is_dir() else None
+    call = getattr(runner, "call", None)
+    place: Place | None = None
+    if call is not None:
+        cpu = plan.context.cpu_build
+
+        def place(check: Callable[[], Verdict], args: Mapping[str, Any]) -> Verdict:
+            gpus = max(
+                gpus_per_server(args, cpu_build=cpu),
+                gpus_per_server(plan.baseline_args, cpu_build=cpu),
+            )
+            verdict: Verdict = call(check, gpus)
+            return verdict
+
     return gate_front(
         study,
         model=model,
@@ -66,6 +85,7 @@ def gate_plan(
         vocab_size=vocab,
         only=only,
         progress=progress,
+        place=place,
     )
 
 

@@ -6,11 +6,14 @@ stored among the study's (its ``quality`` attribute), and a refused member leave
 so that the members it dominated may join it and are checked in turn. The export policy then
 picks the best that passes (:func:`optimizer.trial_view.feasible_front` leaves refused trials
 out). Members that
-change nothing numeric are recorded ``unchanged`` without a server.
+change nothing numeric are recorded ``unchanged`` without a server. Where a check's two servers
+run is the caller's (``place``): in a study run through Ray, an actor pinned to the GPUs the
+larger of the two needs, as a trial's server runs (:meth:`optimizer.runners.RayRunner.call`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,19 @@ from optimizer.trial_view import (
     refused_trials,
 )
 
-__all__ = ["gate_front", "quality_notes", "record_verdict", "settings_of", "verdict_lines"]
+__all__ = [
+    "Place",
+    "gate_front",
+    "quality_notes",
+    "record_verdict",
+    "settings_of",
+    "verdict_lines",
+]
+
+#: Runs one check (a call without arguments that starts the baseline's and the candidate's
+#: servers in turn and returns the verdict) where servers of the candidate's engine arguments
+#: may run; gets the check and those arguments.
+Place = Callable[[Callable[[], Verdict], Mapping[str, Any]], Verdict]
 
 
 def settings_of(section: QualitySection) -> QualitySettings:
@@ -70,12 +85,15 @@ def gate_front(
     vocab_size: int | None = None,
     only: Sequence[int] | None = None,
     progress: Callable[[str], None] | None = None,
+    place: Place | None = None,
 ) -> list[tuple[int, Verdict]]:
     """Check the front until no unchecked numeric-changing member is left; (trial, verdict)s.
 
     Args:
         env_for: The server environment a configuration ran with (its trial's).
         only: Check these trial numbers instead of the front (``quality --trial``).
+        place: Where a numeric-changing member's check runs (None: in this process); a
+            member that changes nothing numeric is recorded here, without a server.
     """
     say = progress or (lambda _line: None)
     done: list[tuple[int, Verdict]] = []
@@ -93,20 +111,22 @@ def gate_front(
             levers = numeric_changes(args, baseline_args)
             if levers:
                 say(f"quality gate: trial {trial.number} ({', '.join(sorted(levers))}): checking")
-            verdict = check_configuration(
+            check = functools.partial(
+                check_configuration,
                 model,
-                args,
-                baseline_args,
-                env_for(baseline_args),
+                dict(args),
+                dict(baseline_args),
+                dict(env_for(baseline_args)),
                 workdir,
                 settings,
-                prompts,
+                [list(p) for p in prompts],
                 python=python,
                 startup_timeout_s=startup_timeout_s,
                 vocab_size=vocab_size,
                 label=f"trial-{trial.number}",
-                candidate_env=env_for(args),
+                candidate_env=dict(env_for(args)),
             )
+            verdict = place(check, args) if levers and place is not None else check()
             record_verdict(study, trial, verdict)
             done.append((trial.number, verdict))
             if levers:

@@ -114,6 +114,10 @@ class LocalRunner:
         # thread cannot be interrupted; the trial finishes its replay. Queued ones are dropped.
         handle.future.cancel()
 
+    def call(self, fn: Callable[[], Any], gpus: int = 0) -> Any:
+        """Run ``fn`` here, in this process (the GPUs it sees are this process's)."""
+        return fn()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -157,6 +161,13 @@ class _TrialActor:
                 self._warm = _prepare_next(spec)
 
         return run_trial(spec, isolate_client=True, engine=engine, on_engine_ready=ready)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` here, on this actor's GPUs and at the trials' priority (the quality
+        gate's servers: :meth:`RayRunner.call`)."""
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, TRIAL_NICENESS)
+        return fn()
 
     def _take_warm(self, spec: TrialSpec) -> Any:
         warm, self._warm = self._warm, None
@@ -487,6 +498,7 @@ class RayRunner:
         self._engine_factory = engine_factory
         self._idle: list[tuple[int, Any]] = []
         self._live: set[int] = set()  # submitted, not yet released or cancelled
+        self._calls: list[Any] = []  # the actors of calls in flight (close ends them)
         self._lock = threading.Lock()
         # max_concurrency 2: `environment` answers while `run` is busy.
         self._actor_cls = ray.remote(max_restarts=0, max_concurrency=2)(_TrialActor)  # type: ignore[call-overload]
@@ -509,6 +521,33 @@ class RayRunner:
         with self._lock:
             self._live.add(id(handle))
         return handle
+
+    def call(self, fn: Callable[[], Any], gpus: int = 0) -> Any:
+        """Run ``fn`` (picklable) in an actor of its own pinned to ``gpus`` GPUs, as a trial's
+        server runs, and return what it returns: work beside the trials that starts servers of
+        its own (the quality gate's), never on GPUs a trial holds. The idle trial actors are
+        released first (their GPUs freed); the actor ends with the call (its servers with it).
+
+        Raises:
+            Whatever ``fn`` raised (the project's own errors as themselves), or Ray's error
+            when the actor died.
+        """
+        for _gpus, idle in self._drop_idle():
+            self._ray.kill(idle, no_restart=True)
+        actor = self._actor_cls.options(num_gpus=gpus, num_cpus=self.cpus_per_trial).remote(None)
+        with self._lock:
+            self._calls.append(actor)
+        try:
+            return _plain_errors(actor.call.remote(fn).future()).result()
+        finally:
+            with self._lock:
+                self._calls.remove(actor)
+            self._ray.kill(actor, no_restart=True)
+
+    def _drop_idle(self) -> list[tuple[int, Any]]:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        return idle
 
     def _idle_actor(self, gpus: int) -> Any:
         """An idle actor of this size; idle actors of other sizes are released first."""
@@ -548,10 +587,13 @@ class RayRunner:
             self._ray.kill(actor, no_restart=True)
 
     def close(self) -> None:
-        """Kill the idle actors (and the interpreters they prepared)."""
+        """Kill the idle actors (and the interpreters they prepared) and those of calls in
+        flight (a call then raises Ray's error)."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        for _gpus, actor in idle:
+            calls = list(self._calls)
+        for actor in calls:
+            self._ray.kill(actor, no_restart=True)
+        for _gpus, actor in self._drop_idle():
             self._ray.kill(actor, no_restart=True)
 
 
@@ -742,6 +784,11 @@ class ClusterLossGuard:
 
     def cancel(self, handle: Any) -> None:
         self.inner.cancel(handle)
+
+    def call(self, fn: Callable[[], Any], gpus: int = 0) -> Any:
+        """The inner runner's ``call`` (:meth:`RayRunner.call`); here where it has none."""
+        call = getattr(self.inner, "call", None)
+        return fn() if call is None else call(fn, gpus)
 
     def release(self, handle: Any) -> None:
         release = getattr(self.inner, "release", None)

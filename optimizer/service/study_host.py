@@ -124,6 +124,7 @@ class StudyHost:
         self._message = ""
         self._last_event = ""
         self._driver: Any = None
+        self._gate_runner: Any = None  # the runner while the quality gate runs (cancel stops it)
         self._cancel = cancel_requested
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"study-{job_id}", daemon=True)
@@ -201,6 +202,8 @@ class StudyHost:
                 elif self._stop:
                     driver.request_stop()
             study = driver.run()
+            if not self._cancel:
+                self._quality_stage(plan, study, runner)
             if tracker is not None:
                 with contextlib.suppress(Exception):
                     tracker.finish(study)
@@ -215,6 +218,31 @@ class StudyHost:
             if runner is not None:
                 with contextlib.suppress(Exception):
                     runner.close()
+
+    def _quality_stage(self, plan: Any, study: Any, runner: Any) -> None:
+        """The job's ``quality.enabled``, as ``tune`` runs it: the gate on the feasible front's
+        numeric-changing members before the study ends, each check in an actor pinned to the
+        GPUs its servers need (the runner's ``call``), so that the export picks the best
+        configuration that passes. A gate that fails does not fail the study: the unchecked
+        members stay unchecked, and the export header says so."""
+        if not plan.job.quality.enabled:
+            return
+        from optimizer.quality_check import gate_plan
+
+        def progress(line: str) -> None:
+            self._last_event = line
+
+        with self._lock:
+            if self._cancel:
+                return
+            self._gate_runner = runner
+        try:
+            gate_plan(plan, study, progress=progress, runner=runner)
+        except Exception as exc:
+            self._message = f"quality gate not run to its end: {type(exc).__name__}: {exc}"
+        finally:
+            with self._lock:
+                self._gate_runner = None
 
     def status(self) -> dict[str, Any]:
         """The driver's :class:`DriverStatus` as a dict."""
@@ -240,6 +268,9 @@ class StudyHost:
             self._cancel = True
             if self._driver is not None:
                 self._driver.cancel()
+            if self._gate_runner is not None:  # the check's actor, and its servers, end
+                with contextlib.suppress(Exception):
+                    self._gate_runner.close()
 
     def request_stop(self) -> None:
         """Stop launching; running trials finish."""

@@ -151,3 +151,52 @@ def test_the_verdicts_reach_the_export_header_and_report_md(
         "checked: run `vllm-autotune quality` on the study folder, or check its answers against "
         "the baseline's yourself."
     ]
+
+
+def test_a_numeric_changing_check_runs_where_place_puts_it_and_unchanged_ones_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``place`` (a study's runner: an actor on the GPUs the servers need) gets every
+    numeric-changing member's check with its arguments; a member that changes nothing numeric
+    is recorded here, without placing anything."""
+    from optimizer.quality.run import check_configuration
+
+    def fake_check(model: str, args: dict[str, Any], *_a: Any, **_k: Any) -> Verdict:
+        return Verdict("fail" if args.get("quantization") else "pass", "fake", {"x": "y"})
+
+    placed: list[dict[str, Any]] = []
+
+    def place(check: Any, args: Any) -> Verdict:
+        placed.append(dict(args))
+        verdict: Verdict = check()
+        return verdict
+
+    monkeypatch.setattr(stage, "check_configuration", fake_check)
+    study = _study()
+    done = stage.gate_front(
+        study,
+        model="m",
+        baseline_args=BASE,
+        env_for=lambda args: {},
+        prompts=[[1, 2]],
+        workdir=tmp_path,
+        settings=QualitySettings(),
+        place=place,
+    )
+    assert [(n, v.status) for n, v in done] == [(1, "fail"), (2, "pass")]
+    assert [a.get("quantization") for a in placed] == ["fp8", None]
+    # ... and an unchanged member (trial 3, named) is judged without being placed
+    monkeypatch.setattr(stage, "check_configuration", check_configuration)
+    placed.clear()
+    done = stage.gate_front(
+        study,
+        model="m",
+        baseline_args=BASE,
+        env_for=lambda args: {},
+        prompts=[[1, 2]],
+        workdir=tmp_path,
+        settings=QualitySettings(),
+        only=[3],
+        place=place,
+    )
+    assert [(n, v.status) for n, v in done] == [(3, "unchanged")] and placed == []
