@@ -952,7 +952,7 @@ def test_a_running_driver_recovers_a_trial_whose_driver_dies_after_it_started(
 
     class SlowRunner(FakeRunner):
         def submit(self, spec: TrialSpec, gpus: int) -> FakeHandle:
-            time.sleep(0.4)  # a trial takes time: the driver's loop goes round meanwhile
+            time.sleep(0.5)  # a trial takes time: the driver's loop goes round meanwhile
             return super().submit(spec, gpus)
 
     _driver(tmp_path, FakeRunner(), trials=2).run()
@@ -969,7 +969,8 @@ def test_a_running_driver_recovers_a_trial_whose_driver_dies_after_it_started(
     storage.record_heartbeat(orphan._trial_id)  # alive when the next driver starts
     lost = orphan.number
 
-    study = _driver(tmp_path, SlowRunner(), trials=8).run()
+    # 10 trials to run, 0.5 s each: the orphan's heartbeat (2 s grace) expires mid-run
+    study = _driver(tmp_path, SlowRunner(), trials=12).run()
     trials = study.get_trials()
     assert trials[lost].state == TrialState.FAIL
     retried = [t for t in trials if t.user_attrs.get("retry_of") == lost]
