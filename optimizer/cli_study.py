@@ -178,7 +178,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _quality_stage(plan: Any, study: Any, runner: Any = None) -> None:
+def _quality_stage(plan: Any, study: Any, runner: Any) -> None:
     """The job's ``quality.enabled``: the quality gate on the feasible front's
     numeric-changing members, once the trials' servers are down (:mod:`optimizer.quality`),
     each check through ``runner`` (its ``call``) where it has one."""

@@ -471,11 +471,15 @@ class StudyDriver:
         """A heartbeat for each trial this driver asked that is not finished yet (running, or
         between its ask and its submission)."""
         if isinstance(self.storage, optuna.storages.RDBStorage):
+            running = {
+                t._trial_id
+                for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            }
             for number, trial_id in list(self._asked.items()):
-                if self.storage.get_trial(trial_id).state.is_finished():
-                    self._asked.pop(number, None)
-                else:
+                if trial_id in running:
                     self.storage.record_heartbeat(trial_id)
+                else:  # finished: no more heartbeats
+                    self._asked.pop(number, None)
 
     def _launch_next(self) -> None:
         with warnings.catch_warnings():

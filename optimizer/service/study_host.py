@@ -202,8 +202,7 @@ class StudyHost:
                 elif self._stop:
                     driver.request_stop()
             study = driver.run()
-            if not self._cancel:
-                self._quality_stage(plan, study, runner)
+            self._quality_stage(plan, study, runner)
             if tracker is not None:
                 with contextlib.suppress(Exception):
                     tracker.finish(study)
@@ -223,8 +222,8 @@ class StudyHost:
         """The job's ``quality.enabled``, as ``tune`` runs it: the gate on the feasible front's
         numeric-changing members before the study ends, each check in an actor pinned to the
         GPUs its servers need (the runner's ``call``), so that the export picks the best
-        configuration that passes. A gate that fails does not fail the study: the unchecked
-        members stay unchecked, and the export header says so."""
+        configuration that passes. None after a cancel. A gate that fails does not fail the
+        study: the unchecked members stay unchecked, and the export header says so."""
         if not plan.job.quality.enabled:
             return
         from optimizer.quality_check import gate_plan

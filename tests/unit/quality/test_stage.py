@@ -42,6 +42,20 @@ def _study() -> optuna.Study:
     return study
 
 
+def _gate(study: optuna.Study, workdir: Path, **kw: Any) -> list[tuple[int, Verdict]]:
+    """``gate_front`` on ``study`` against :data:`BASE` with no server environment."""
+    args: dict[str, Any] = {
+        "model": "m",
+        "baseline_args": BASE,
+        "env_for": lambda args: {},
+        "prompts": [[1, 2]],
+        "workdir": workdir,
+        "settings": QualitySettings(),
+        **kw,
+    }
+    return stage.gate_front(study, **args)
+
+
 def test_a_refused_member_leaves_the_front_and_the_export_picks_the_best_that_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -55,15 +69,7 @@ def test_a_refused_member_leaves_the_front_and_the_export_picks_the_best_that_pa
     monkeypatch.setattr(stage, "check_configuration", fake_check)
     study = _study()
     assert [t.number for t in feasible_front(study)] == [1]
-    done = stage.gate_front(
-        study,
-        model="m",
-        baseline_args=BASE,
-        env_for=lambda args: {},
-        prompts=[[1, 2]],
-        workdir=tmp_path,
-        settings=QualitySettings(),
-    )
+    done = _gate(study, tmp_path)
     assert [(n, v.status) for n, v in done] == [(1, "fail"), (2, "pass")]
     assert [a.get("quantization") for a in checked] == ["fp8", None]
     assert [t.number for t in refused_trials(study)] == [1]
@@ -88,16 +94,7 @@ def test_only_named_trials_are_checked_and_unchanged_ones_need_no_server(
         "optimizer.quality.run.EngineProcess", lambda *a, **k: started.append("server")
     )
     study = _study()
-    done = stage.gate_front(
-        study,
-        model=str(tmp_path),
-        baseline_args=BASE,
-        env_for=lambda args: {},
-        prompts=[[1, 2]],
-        workdir=tmp_path / "q",
-        settings=QualitySettings(),
-        only=[3],
-    )
+    done = _gate(study, tmp_path / "q", model=str(tmp_path), only=[3])
     assert [(n, v.status) for n, v in done] == [(3, "unchanged")]
     assert started == []
 
@@ -120,15 +117,7 @@ def test_the_verdicts_reach_the_export_header_and_report_md(
 
     monkeypatch.setattr(stage, "check_configuration", fake_check)
     study = _study()
-    stage.gate_front(
-        study,
-        model="m",
-        baseline_args=BASE,
-        env_for=lambda args: {},
-        prompts=[[1]],
-        workdir=tmp_path,
-        settings=QualitySettings(),
-    )
+    _gate(study, tmp_path, prompts=[[1]])
     notes = quality_notes(study, 2)
     assert notes[0].startswith("Quality gate, trial 2: pass: top-1 agreement 1.000")
     assert notes[1].startswith(
@@ -173,30 +162,11 @@ def test_a_numeric_changing_check_runs_where_place_puts_it_and_unchanged_ones_he
 
     monkeypatch.setattr(stage, "check_configuration", fake_check)
     study = _study()
-    done = stage.gate_front(
-        study,
-        model="m",
-        baseline_args=BASE,
-        env_for=lambda args: {},
-        prompts=[[1, 2]],
-        workdir=tmp_path,
-        settings=QualitySettings(),
-        place=place,
-    )
+    done = _gate(study, tmp_path, place=place)
     assert [(n, v.status) for n, v in done] == [(1, "fail"), (2, "pass")]
     assert [a.get("quantization") for a in placed] == ["fp8", None]
     # ... and an unchanged member (trial 3, named) is judged without being placed
     monkeypatch.setattr(stage, "check_configuration", check_configuration)
     placed.clear()
-    done = stage.gate_front(
-        study,
-        model="m",
-        baseline_args=BASE,
-        env_for=lambda args: {},
-        prompts=[[1, 2]],
-        workdir=tmp_path,
-        settings=QualitySettings(),
-        only=[3],
-        place=place,
-    )
+    done = _gate(study, tmp_path, only=[3], place=place)
     assert [(n, v.status) for n, v in done] == [(3, "unchanged")] and placed == []
