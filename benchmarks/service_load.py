@@ -9,7 +9,8 @@ bounds. Every submission carries a ``not_before`` a day ahead: it is checked in 
 plan check: the trace counted, read and shaped) and stored, but no study ever starts, so no
 vLLM (nor its fake) is needed. Then, each phase for a fixed time while a process of its own
 reads ``/healthz`` every 50 ms, each on a new connection (as a load balancer's probe; one that
-fails or takes 5 s counts as 5 s):
+fails or takes 5 s counts as 5 s), each followed by Serve's proxy's own ``/-/healthz`` (the
+proxy answers it, no replica: what the machine and the proxy alone cost a probe):
 
 ``idle``
     nothing else sent: the machine's own noise.
@@ -31,7 +32,8 @@ fails or takes 5 s counts as 5 s):
 A client answered 429 waits its ``Retry-After``. After a submission phase its requests in
 flight are let finish (at most ``--drain-s``), the probe still reading. The table: requests
 sent, their answers counted by status, the median time to answer a submission, ``/healthz``'s
-median, p95 and max (and failed probes), and the RSS growth over the phase of the API replica
+median, p95 and max (and failed probes), the probes over 100 ms, the proxy's own
+``/-/healthz`` (median and max), and the RSS growth over the phase of the API replica
 with its check processes (the last sample, and the peak) where they are readable here. The
 header gives each process's niceness (the check processes': ``checks``): the benchmark and its
 probe keep the one they are started with, unless
@@ -107,12 +109,13 @@ def _head(path: str, token: str, content_type: str, length: int) -> bytes:
     ).encode()
 
 
-def _healthz_ms(port: int) -> float | None:
-    """One GET /healthz on a new connection: milliseconds to a 200, else None."""
+def _healthz_ms(port: int, path: str = "/healthz") -> float | None:
+    """One GET ``path`` on a new connection: milliseconds to a 200, else None."""
     t0 = time.perf_counter()
+    request = f"GET {path} HTTP/1.1\r\nHost: loopback\r\nConnection: close\r\n\r\n".encode()
     try:
         with socket.create_connection((HOST, port), timeout=PROBE_TIMEOUT_S) as sock:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: loopback\r\nConnection: close\r\n\r\n")
+            sock.sendall(request)
             data = b""
             while chunk := sock.recv(65536):
                 data += chunk
@@ -125,13 +128,16 @@ def _healthz_ms(port: int) -> float | None:
 def _probe(port: int, stop: Any, out: Any, niceness: int | None) -> None:
     """The probe's process (at ``niceness`` where given and permitted): /healthz every
     :data:`PROBE_EVERY_S` until ``stop`` is set; sends back the latencies (ms; a failure as
-    :data:`PROBE_TIMEOUT_S`) and the failures."""
+    :data:`PROBE_TIMEOUT_S`) and the failures. Each /healthz is followed by Serve's proxy's own
+    ``/-/healthz`` (answered by the proxy, no replica): the machine's and the proxy's share of a
+    slow probe, apart from the app's."""
     if niceness is not None:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, niceness)
         except OSError as exc:
             print(f"probe: niceness {niceness} refused ({exc.strerror})", file=sys.stderr)
     seen: list[float] = []
+    proxy: list[float] = []
     failed = 0
     out.send(os.getpriority(os.PRIO_PROCESS, 0))
     next_at = time.monotonic()
@@ -139,13 +145,15 @@ def _probe(port: int, stop: Any, out: Any, niceness: int | None) -> None:
         ms = _healthz_ms(port)
         failed += ms is None
         seen.append(PROBE_TIMEOUT_S * 1000 if ms is None else ms)
+        alone = _healthz_ms(port, "/-/healthz")
+        proxy.append(PROBE_TIMEOUT_S * 1000 if alone is None else alone)
         next_at += PROBE_EVERY_S
         delay = next_at - time.monotonic()
         if delay > 0:
             stop.wait(delay)
         else:
             next_at = time.monotonic()
-    out.send((seen, failed))
+    out.send((seen, failed, proxy))
 
 
 # --- the service --------------------------------------------------------------------------------
@@ -450,6 +458,7 @@ class Row:
     probes: list[float]
     failed: int
     rss: list[int]
+    proxy: list[float] = field(default_factory=list)  # Serve's proxy alone (/-/healthz), ms
 
 
 async def _run_clients(
@@ -498,9 +507,9 @@ def run_phase(
     finally:
         stop.set()
     assert mine.poll(30), "the probe did not answer"
-    probes, failed = mine.recv()
+    probes, failed, proxy = mine.recv()
     probe.join(10)
-    return Row(phase, took, tally, probes, failed, rss)
+    return Row(phase, took, tally, probes, failed, rss, proxy)
 
 
 # --- the table ----------------------------------------------------------------------------------
@@ -520,8 +529,8 @@ def _mib(rss: list[int]) -> str:
 def table(rows: list[Row]) -> str:
     out = [
         "| phase | s | sent | answers | submit median s | /healthz median / p95 / max ms "
-        "(probes, failed) | over 100 ms | replica + checks RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "(probes, failed) | over 100 ms | proxy alone median / max ms | replica + checks RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(r.tally.answers.items())) or "-"
@@ -533,10 +542,11 @@ def table(rows: list[Row]) -> str:
             else "-"
         )
         slow = sorted(round(m) for m in ms if m > 100.0)
+        alone = f"{statistics.median(r.proxy):.1f} / {max(r.proxy):.1f}" if r.proxy else "-"
         over = f"{len(slow)}" + (f" ({', '.join(map(str, slow[-5:]))} ms)" if slow else "")
         out.append(
             f"| {r.phase} | {r.seconds:.0f} | {r.tally.sent} | {answers} | {took} | {health} "
-            f"| {over} | {_mib(r.rss)} |"
+            f"| {over} | {alone} | {_mib(r.rss)} |"
         )
     return "\n".join(out)
 

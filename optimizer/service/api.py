@@ -264,9 +264,11 @@ def create_app(service: JobService) -> FastAPI:
     )
 
     @app.get("/healthz", tags=["service"])
-    def healthz() -> dict[str, Any]:
+    async def healthz() -> dict[str, Any]:
         """Liveness (no token needed)."""
-        return service.health()
+        if service.liveness.running:  # no I/O: answered on the event loop, no thread's hop
+            return service.health()
+        return await run_in_threadpool(service.health)
 
     @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
     def openapi() -> dict[str, Any]:
@@ -450,6 +452,7 @@ class _Ingress:
             settings, store, self.scheduler, check_processes=check_processes(settings)
         )
         self.scheduler.start(settings.poll_interval_s)
+        self.service.liveness.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = create_app(self.service)

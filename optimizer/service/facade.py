@@ -40,6 +40,7 @@ from optimizer.service import security
 from optimizer.service.admission import Admission, Admitted, Upload, prepare_check
 from optimizer.service.auth import DEFAULT_TEAM, Principal
 from optimizer.service.check_workers import CheckWorkers
+from optimizer.service.liveness import StoreLiveness
 from optimizer.service.scheduler import Scheduler
 from optimizer.service.security import is_secret, redact_job
 from optimizer.service.settings import ServiceSettings
@@ -157,6 +158,8 @@ class JobService(Admission):
         self.check_workers = (
             CheckWorkers(settings, self.check_plan, check_processes) if check_processes else None
         )
+        # the store's liveness for /healthz (the replica starts its thread: no I/O per probe)
+        self.liveness = StoreLiveness(self._ping_store)
 
     # --- submit --------------------------------------------------------------------------------
 
@@ -222,7 +225,8 @@ class JobService(Admission):
                 raise
 
     def close(self) -> None:
-        """Stop the check processes (the replica is going away)."""
+        """Stop the check processes and the liveness thread (the replica is going away)."""
+        self.liveness.stop()
         if self.check_workers is not None:
             self.check_workers.close()
 
@@ -656,17 +660,19 @@ class JobService(Admission):
             doc.update(trial=item.result.trial, gain=item.result.gain)
         return doc
 
+    def _ping_store(self) -> None:
+        with self.store.engine.connect() as conn:
+            conn.execute(sa.select(1))
+
     def health(self) -> dict[str, Any]:
-        """Liveness of the store and the scheduler."""
-        db_ok = True
-        try:
-            with self.store.engine.connect() as conn:
-                conn.execute(sa.select(1))
-        except Exception:
-            db_ok = False
+        """Liveness of the store and the scheduler (the store's as :attr:`liveness` last saw
+        it, no I/O, while its thread runs; else asked now)."""
+        db_ok = self.liveness.ok()
+        age = self.liveness.age_s()
         return {
             "ok": db_ok,
             "database": db_ok,
+            "database_age_s": None if age is None else round(age, 2),
             "scheduler": self.scheduler.alive,
             "last_tick": _iso(self.scheduler.last_tick),
         }

@@ -68,26 +68,28 @@ class Scheduler:
         for rec in self.store.records(states=("running",)):
             if self._reconcile(rec, now):
                 running += 1
-        for rec in self.store.records(states=("queued",)):
-            if rec.cancel_requested:
-                self.store.finish(rec.id, "cancelled", "cancelled before it started", now)
+        # queued jobs: their scheduling columns only (each job's document is read as it starts;
+        # read whole on every pass, hundreds of queued large jobs held the replica's GIL)
+        for q in self.store.queued():
+            if q.cancel_requested:
+                self.store.finish(q.id, "cancelled", "cancelled before it started", now)
                 continue
-            if rec.until is not None and now >= rec.until:
-                self.store.finish(rec.id, "expired", "its time window closed while queued", now)
+            if q.until is not None and now >= q.until:
+                self.store.finish(q.id, "expired", "its time window closed while queued", now)
                 continue
             if running >= self.max_concurrent:
                 continue
-            if rec.not_before is not None and now < rec.not_before:
+            if q.not_before is not None and now < q.not_before:
                 continue
             if self.store.update(
-                rec.id,
+                q.id,
                 expect=("queued",),
                 state="running",
                 started_at=now,
                 driver_starts=1,
                 message="",
             ):
-                self.launcher.start(replace(rec, state="running", driver_starts=1))
+                self.launcher.start(self.store.get(q.id))
                 running += 1
 
     def _reconcile(self, rec: JobRecord, now: float) -> bool:

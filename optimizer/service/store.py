@@ -36,6 +36,16 @@ FINAL_STATES = ("done", "failed", "cancelled", "expired")
 
 
 @dataclass(frozen=True)
+class QueuedJob:
+    """What the scheduler reads of a queued job on each pass (:meth:`JobStore.queued`)."""
+
+    id: str
+    not_before: float | None
+    until: float | None
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
 class JobRecord:
     """One job as stored.
 
@@ -258,6 +268,26 @@ class JobStore:
             q = q.where(_jobs.c.owner == owner)
         with self.engine.connect() as conn:
             return [self._record(r) for r in conn.execute(q)]
+
+    def queued(self) -> list[QueuedJob]:
+        """The queued jobs in submission order, only the columns a scheduler's pass reads: a
+        job's document (tens of KiB for a large search space) is not read, nor parsed, for
+        each queued job on every pass (:meth:`get` reads it when the job starts)."""
+        q = (
+            sa.select(_jobs.c.id, _jobs.c.not_before, _jobs.c.until, _jobs.c.cancel_requested)
+            .where(_jobs.c.state == "queued")
+            .order_by(_jobs.c.seq)
+        )
+        with self.engine.connect() as conn:
+            return [
+                QueuedJob(
+                    id=m["id"],
+                    not_before=m["not_before"],
+                    until=m["until"],
+                    cancel_requested=bool(m["cancel_requested"]),
+                )
+                for m in (r._mapping for r in conn.execute(q))
+            ]
 
     def update(self, job_id: str, *, expect: Iterable[str] | None = None, **values: Any) -> bool:
         """Change fields of a job; with ``expect``, only while it is in one of those states.
