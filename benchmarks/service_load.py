@@ -40,10 +40,16 @@ probe keep the one they are started with, unless
 ``--probe-nice`` sets the probe's (a probe at nice 19 waits for the CPU itself while the
 service, raised to the trials' nice 0, is busy).
 
+Started under ``nice -n 19``, Ray's own processes (GCS, raylet, agents, Serve's controller) run at
+nice 19 beside the load's clients, while a served service runs them at its own priority:
+``--load-nice 19`` instead lowers only the benchmark's thread that sends the load, once the
+service is up (the clients stand in for machines elsewhere; the probe keeps ``--probe-nice``).
+
 Usage::
 
     nice -n 19 python -m benchmarks.service_load [--seconds 45] [--idle-s 10] [--drain-s 60]
         [--phases idle,1,5a,5b] [--probe-nice N]
+    python -m benchmarks.service_load --load-nice 19 --probe-nice 0
 
 About 4 minutes after Ray's start with the defaults. Not a test: ``benchmarks/`` is outside
 pytest's ``testpaths``, so CI never runs it.
@@ -560,7 +566,21 @@ def _niceness_line(svc: Service) -> str:
         if kind == "replica":
             checks = sorted({_nice(c) for c in _check_processes(seen["pid"])})
             parts.append(f"checks {'/'.join(checks) or '-'}")
+    parts.append(f"Ray's GCS {_gcs_nice()}")
     return "niceness: " + ", ".join(parts)
+
+
+def _gcs_nice() -> str:
+    """The niceness of the local Ray's GCS server (a child of this process), or '?'."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "gcs_server" in child.name():
+                return _nice(child)
+        except psutil.Error:
+            continue
+    return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -569,6 +589,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="the idle phase's length")
     p.add_argument("--drain-s", type=float, default=60.0, help="most wait for requests in flight")
     p.add_argument("--phases", default="idle,1,5a,5b", help="comma-separated, in order")
+    p.add_argument(
+        "--load-nice",
+        type=int,
+        default=None,
+        help="lower this process (the load's clients) to this niceness once the service is up, "
+        "the service (Ray's processes, Serve's proxy and replica) keeping the one it started "
+        "with (default: no change)",
+    )
     p.add_argument(
         "--probe-nice",
         type=int,
@@ -587,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         svc = start_service(Path(tmp))
         print(f"service up in {time.monotonic() - t0:.0f} s on port {svc.port}", flush=True)
+        if args.load_nice is not None:  # this thread sends the load; Ray's threads keep theirs
+            os.setpriority(os.PRIO_PROCESS, 0, args.load_nice)
         print(_niceness_line(svc), flush=True)
         try:
             for phase in phases:
