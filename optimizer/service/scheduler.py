@@ -68,8 +68,8 @@ class Scheduler:
         for rec in self.store.records(states=("running",)):
             if self._reconcile(rec, now):
                 running += 1
-        # queued jobs: their scheduling columns only (each job's document is read as it starts;
-        # read whole on every pass, hundreds of queued large jobs held the replica's GIL)
+        # queued jobs: their scheduling columns only, each job's document read as it starts
+        # (parsing every queued job on every pass slowed the replica's answers: issue 42)
         for q in self.store.queued():
             if q.cancel_requested:
                 self.store.finish(q.id, "cancelled", "cancelled before it started", now)

@@ -280,13 +280,8 @@ class JobStore:
         )
         with self.engine.connect() as conn:
             return [
-                QueuedJob(
-                    id=m["id"],
-                    not_before=m["not_before"],
-                    until=m["until"],
-                    cancel_requested=bool(m["cancel_requested"]),
-                )
-                for m in (r._mapping for r in conn.execute(q))
+                QueuedJob(job_id, not_before, until, bool(cancel))
+                for job_id, not_before, until, cancel in conn.execute(q)
             ]
 
     def update(self, job_id: str, *, expect: Iterable[str] | None = None, **values: Any) -> bool:

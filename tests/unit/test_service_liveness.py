@@ -5,6 +5,7 @@ under 100 ms throughout); without the thread it asks the store itself, as before
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from optimizer.service.api import create_app
+from optimizer.service.facade import JobService
 from optimizer.service.liveness import StoreLiveness
 from tests.unit.test_jobs import FakeLauncher, make_service
 
@@ -84,16 +86,18 @@ def test_the_thread_records_a_store_that_goes_down_and_comes_back() -> None:
         live.stop()
 
 
+ServiceAndClient = tuple[JobService, TestClient]
+
+
 @pytest.fixture
-def service_and_client(tmp_path: Path):  # type: ignore[no-untyped-def]
+def service_and_client(tmp_path: Path) -> Iterator[ServiceAndClient]:
     svc = make_service(tmp_path, FakeLauncher())
     yield svc, TestClient(create_app(svc))
     svc.close()
 
 
 def test_healthz_reads_the_liveness_thread_and_does_not_ask_the_store(
-    service_and_client,
-    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+    service_and_client: ServiceAndClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     svc, client = service_and_client
     check = CountingCheck()
@@ -108,7 +112,9 @@ def test_healthz_reads_the_liveness_thread_and_does_not_ask_the_store(
     assert not svc.liveness.running
 
 
-def test_healthz_without_the_thread_asks_the_real_store(service_and_client) -> None:  # type: ignore[no-untyped-def]
+def test_healthz_without_the_thread_asks_the_real_store(
+    service_and_client: ServiceAndClient,
+) -> None:
     svc, client = service_and_client
     assert not svc.liveness.running
     assert client.get("/healthz").json()["database"] is True
