@@ -31,7 +31,7 @@ from optimizer.engine.defaults import (
     prompt_token_range,
     trial_env,
 )
-from optimizer.engine.stack import gpu_facts
+from optimizer.engine.stack import cpu_bf16_note, gpu_facts
 from optimizer.errors import ConfigError
 from optimizer.sampling import MODEL_SAMPLERS
 from optimizer.types import EngineConfig, Trace, TrialSpec
@@ -67,8 +67,9 @@ class StudyPlan:
         vllm: "dist version" of the vLLM the trials use.
         warm_start: Configurations enqueued from earlier studies (:mod:`optimizer.warm_start`).
         priors: Earlier studies' told trials, given to a TPE or GP sampler as prior observations.
-        notes: What else preparing decided, one line each (a warm-start configuration
-            skipped, and why).
+        notes: What else preparing decided or found, one line each (a warm-start
+            configuration skipped, and why; a bfloat16 model on a CPU without bfloat16
+            kernels, :func:`optimizer.engine.stack.cpu_bf16_note`).
         study_name: The study's name in its storage (empty: the job's name, as ``tune``
             keeps it; the service names each study by its team and job id, so two teams'
             jobs of the same name never share a study in a shared storage). ``plan.json``
@@ -276,6 +277,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         kv_cache_gib=job.engine.kv_cache_gib,
     )
     engine_args, env = defaults.args, _with_server_cpus(job, defaults.env, is_cpu)
+    bf16_note = cpu_bf16_note(model, engine_args) if is_cpu else None
     local_model = Path(model).is_dir()
     baseline = {
         **engine_args,
@@ -321,7 +323,7 @@ def prepare(job: JobConfig, base: Path, *, check_flags: bool = True) -> StudyPla
         vllm=f"{install.dist} {install.version}" if install else "",
         warm_start=tuple(warm),
         priors=priors,
-        notes=tuple(warm_notes),
+        notes=(*warm_notes, *([bf16_note] if bf16_note else [])),
     )
 
 

@@ -24,6 +24,7 @@ from optimizer.engine.gpus import smi_rows
 
 __all__ = [
     "STACK_KEYS",
+    "cpu_bf16_note",
     "cpu_isa",
     "gpu_facts",
     "hardware_line",
@@ -97,6 +98,49 @@ def cpu_isa(cpuinfo: str | None = None) -> str:
             have = set(line.split(":", 1)[1].split())
             return " ".join(f for f in _ISA_FLAGS if f in have)
     return ""
+
+
+#: The extensions whose kernels the CPU build runs bfloat16 matrix products on.
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _model_dtype(model: str | Path, args: Mapping[str, Any]) -> str:
+    """The dtype the server runs the model in: ``--dtype`` if set (not ``auto``), else a local
+    model folder's ``config.json`` (``dtype`` or ``torch_dtype``); "" where neither says."""
+    given = str(args.get("dtype") or "auto").lower()
+    if given != "auto":
+        return given
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(config, dict):
+        return ""
+    return str(config.get("dtype") or config.get("torch_dtype") or "").lower()
+
+
+def cpu_bf16_note(model: str | Path, args: Mapping[str, Any], isa: str | None = None) -> str | None:
+    """A warning where the CPU build will run the model in bfloat16 on a CPU with neither
+    AVX512-BF16 nor AMX (``isa`` as :func:`cpu_isa` gives it, read here when None); else None.
+
+    The same CPU job is many times slower there than on a CPU with them: in the v3 landscape's
+    calibration (benchmarks/data/README.md) vLLM's defaults carried x11.6 of its window in
+    bfloat16 on a 2-core Xeon with AMX and under x0.5 on one with AVX-512 alone. Figures from
+    the two kinds do not compare, so a study says which it runs on before its first trial.
+    """
+    if _model_dtype(model, args) not in ("bfloat16", "bf16"):
+        return None
+    isa = cpu_isa() if isa is None else isa
+    have = set(isa.split())
+    if not have or have & set(_BF16_FLAGS):
+        return None  # unknown, or the CPU has them
+    return (
+        "the model runs in bfloat16 and this CPU has neither AVX512-BF16 nor AMX (it has: "
+        f"{isa}): vLLM's CPU build runs it many times slower here than on a CPU with them, "
+        "so this study's figures compare only with studies on the same kind of CPU "
+        "(plan.json records it as environment.cpu_isa); engine.args dtype: float32 avoids "
+        "the difference"
+    )
 
 
 def installed_stack(python: str | None = None, *, cpu_build: bool) -> dict[str, str]:

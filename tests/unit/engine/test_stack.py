@@ -46,3 +46,45 @@ def test_the_cpu_vector_extensions_are_read_from_cpuinfo() -> None:
     assert stack_changes(then, {"cpu": "AMD EPYC", "cpu_isa": "avx2"}) == [
         "cpu_isa: avx2 avx512f avx512_bf16 -> avx2"
     ]
+
+
+def test_a_bfloat16_model_on_a_cpu_without_bfloat16_kernels_is_named(tmp_path) -> None:
+    # vLLM's defaults carried x11.6 of the v3 landscape's window in bfloat16 on a 2-core Xeon
+    # with AMX and under x0.5 on one with AVX-512 alone (benchmarks/data/README.md): a study
+    # says which kind it runs on before its first trial.
+    import json
+
+    from optimizer.engine.stack import cpu_bf16_note
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    avx512 = "avx2 avx512f avx512_vnni"
+    note = cpu_bf16_note(model, {"max-model-len": 2048}, avx512)
+    assert note is not None and "neither AVX512-BF16 nor AMX" in note and avx512 in note
+    assert cpu_bf16_note(model, {"dtype": "auto"}, avx512) == note
+    # The CPU has the kernels, the server is told another dtype, or the CPU is unknown: silent.
+    assert cpu_bf16_note(model, {}, avx512 + " avx512_bf16") is None
+    assert cpu_bf16_note(model, {}, "avx2 avx512f amx_tile amx_bf16") is None
+    assert cpu_bf16_note(model, {"dtype": "float32"}, avx512) is None
+    assert cpu_bf16_note(model, {}, "") is None
+    # --dtype bfloat16 on a model folder that says otherwise, newer configs' "dtype", a hub name.
+    (model / "config.json").write_text(json.dumps({"dtype": "float16"}))
+    assert cpu_bf16_note(model, {}, avx512) is None
+    assert cpu_bf16_note(model, {"dtype": "bfloat16"}, avx512) is not None
+    assert cpu_bf16_note("org/not-a-folder", {}, avx512) is None
+
+
+def test_a_study_on_such_a_cpu_prints_the_note_before_it_starts(tmp_path, monkeypatch) -> None:
+    from optimizer.config import load_job
+    from optimizer.engine import stack
+    from optimizer.study import prepare
+    from tests.unit.test_study_loop import _job
+
+    job, base = load_job(_job(tmp_path), base=tmp_path)  # the tiny model: bfloat16
+    monkeypatch.setattr(stack, "cpu_isa", lambda: "avx2 avx512f avx512_vnni")
+    plan = prepare(job, base, check_flags=False)
+    if plan.context.cpu_build:
+        assert any("neither AVX512-BF16 nor AMX" in n for n in plan.notes)
+    monkeypatch.setattr(stack, "cpu_isa", lambda: "avx2 avx512f amx_tile amx_bf16")
+    assert not any("AVX512-BF16" in n for n in prepare(job, base, check_flags=False).notes)
