@@ -8,7 +8,10 @@ project's own :func:`optimizer.capacity.search.estimate_capacity` (so folders wr
 the estimate existed read the same as later ones), the SLO that broke first above it
 (``broke_first``) and the symptom the tuning guide reads there
 (:func:`optimizer.guided.symptom_of`: ``symptom``, None where nothing broke). Measurements of
-one configuration across folders are its repeats: their spread is the table's noise.
+one configuration across folders are its repeats: their spread is the table's noise. A grid
+label a study refused before any server started (an invalid combination, such as chunked
+prefill off with a token budget under the context: status ``rejected``) is listed under
+``refused``, a label with nothing to measure.
 
 Usage:
     python -m benchmarks.capacity_table runs/capacity-grid/r1 runs/capacity-grid/r2 \
@@ -33,12 +36,18 @@ from optimizer.engine.stack import recorded_stack
 from optimizer.guided import symptom_of
 from optimizer.trial_view import TrialView
 
-# Engine arguments every trial of a study shares (the job's), left out of a configuration's key.
+# Engine arguments the first tables' trials shared (the job's, and the grids' fixed block
+# size), left out of the key of a configuration that set no params (the baseline).
 _COMMON = ("enforce-eager", "load-format", "max-model-len", "block-size")
 
 
-def config_key(args: dict[str, Any]) -> str:
-    """A configuration's identity in the table: its engine arguments minus the job's own."""
+def config_key(args: dict[str, Any], params: dict[str, Any] | None = None) -> str:
+    """A configuration's identity in the table: its grid params (the sampler's: a space's
+    fixed arguments and the job's own are not among them), else (the baseline, which sets
+    none) its engine arguments minus :data:`_COMMON`. The third grid varies the block size,
+    which the first two fixed: keyed on the arguments its two block sizes would be one."""
+    if params:
+        return json.dumps(dict(sorted(params.items())), sort_keys=True)
     return json.dumps({k: v for k, v in sorted(args.items()) if k not in _COMMON}, sort_keys=True)
 
 
@@ -127,6 +136,7 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
     Repeats measured on different machines or stacks (say, one CPU with AVX-512 and one without)
     are not one configuration's noise: they are refused unless ``mixed``."""
     configs: dict[str, dict[str, Any]] = {}
+    refused: dict[str, dict[str, Any]] = {}
     made: list[dict[str, Any]] = []
     loaded = [(folder, *load_study_dir(folder)) for folder in folders]
     stacks = {str(folder): recorded_stack(saved) for folder, saved, _ in loaded}
@@ -150,20 +160,37 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
             }
         )
         for trial in study.get_trials(deepcopy=False):
+            if trial.user_attrs.get("status") == "rejected" and trial.params:
+                # Refused before any server started (an invalid combination): a grid label
+                # with no configuration to measure, which a study is told 0 for at no cost.
+                key = config_key({}, trial.params)
+                refused.setdefault(
+                    key,
+                    {
+                        "params": json.loads(key),
+                        "message": str(trial.user_attrs.get("message") or ""),
+                    },
+                )
+                continue
             m = measurement(trial, noise)
             if m is None:
                 continue
             args = json.loads(trial.user_attrs["engine_args"])
-            params = json.loads(config_key(args))
+            key = config_key(args, trial.params)
             entry = configs.setdefault(
-                config_key(args), {"args": args, "params": params, "measurements": []}
+                key, {"args": args, "params": json.loads(key), "measurements": []}
             )
             entry["measurements"].append({"folder": folder.name, **m})
     for entry in configs.values():
         caps = [m["capacity_rps"] for m in entry["measurements"]]
         entry["mean_rps"] = statistics.fmean(caps)
         entry["spread_rps"] = (max(caps) - min(caps)) if len(caps) > 1 else None
-    return {"made_with": made, "noise": noise, "configs": configs}
+    return {
+        "made_with": made,
+        "noise": noise,
+        "configs": configs,
+        "refused": {k: v for k, v in refused.items() if k not in configs},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [len(c["measurements"]) for c in table["configs"].values()]
     print(
         f"{len(counts)} configurations, {sum(counts)} measurements "
-        f"(repeats: min {min(counts, default=0)}, max {max(counts, default=0)}) -> {ns.out}"
+        f"(repeats: min {min(counts, default=0)}, max {max(counts, default=0)}), "
+        f"{len(table['refused'])} labels refused before a server started -> {ns.out}"
     )
     return 0
 

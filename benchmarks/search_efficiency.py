@@ -231,7 +231,9 @@ def run_sampler(
 ) -> Run:
     """One offline study of an Optuna sampler until the budget or the grid is spent. Each
     measured trial is counted by its proposal's origin (:func:`_origin`), each proposal of a
-    configuration the study has measured (refused: nothing measured) in ``refused_held``."""
+    configuration the study has measured (refused: nothing measured) in ``refused_held``, each
+    proposal of a label the table refused as invalid (told 0 at no cost, as the real driver
+    does) in ``refused_invalid``."""
     if name == WARM and warm is None:
         raise SystemExit(f"{WARM} needs --warm-from FOLDER (an earlier study of this grid)")
     racing = name in RACING  # random-racing: the random sampler through the same path
@@ -252,6 +254,13 @@ def run_sampler(
         origin = "enqueued" if asked < len(enqueued) else _origin(name, after, before)
         asked += 1
         key = table.key(params)
+        if key in table.refused:
+            # The real driver starts no server for an invalid combination and tells it the
+            # worst value (capacity 0): it costs no GPU time, and the sampler holds it.
+            study_.run.refused_invalid += 1
+            trial.set_user_attr("status", "rejected")
+            study.tell(trial, 0.0)
+            continue
         if key in study_.measured or key not in table.configs:
             # A real study starts no engine twice for one configuration; a partial table (no
             # result) has points nobody measured.
@@ -809,7 +818,11 @@ def origin_rows(runs: Mapping[str, list[Run]]) -> list[dict[str, Any]]:
     rows = []
     for name, rs in runs.items():
         row: dict[str, Any] = {"strategy": name, "seeds": len(rs)}
-        counts = {"trials": [r.trials for r in rs], "refused_held": [r.refused_held for r in rs]}
+        counts = {
+            "trials": [r.trials for r in rs],
+            "refused_held": [r.refused_held for r in rs],
+            "refused_invalid": [r.refused_invalid for r in rs],
+        }
         for key in (*ORIGINS, "unattributed"):
             counts[key] = [r.origins[key] for r in rs]
         for key, values in counts.items():
@@ -828,21 +841,33 @@ def print_origins(rows: list[dict[str, Any]]) -> None:
     print("trials by the origin of their proposal, mean per run (total over seeds):")
     print(
         "| strategy | trials | model's own | acquisition | random fallback | startup "
-        "| the guide's | refused as held |"
+        "| the guide's | refused as held | refused as invalid |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cells = [
             cell(r, "trials"),
             cell(r, "model", "own"),
-            *(cell(r, k) for k in ("acquisition", "random", "startup", "guided", "refused_held")),
+            *(
+                cell(r, k)
+                for k in (
+                    "acquisition",
+                    "random",
+                    "startup",
+                    "guided",
+                    "refused_held",
+                    "refused_invalid",
+                )
+            ),
         ]
         print(f"| {r['strategy']} | " + " | ".join(cells) + " |")
     print(
         "trials include the baseline (vLLM's defaults) and a warm start's enqueued ones; "
         "model's own: a strategy without a model (random, grid, one-at-a-time) counts its own "
         "draws there; the guide's: the tuning guide's one-parameter moves (GuidedSampler); "
-        "refused as held: proposals of a configuration already measured (no trial)"
+        "refused as held: proposals of a configuration already measured (no trial); refused "
+        "as invalid: proposals of a label the real study refuses before any server starts "
+        "(told 0, no GPU time, no trial)"
     )
     for r in rows:
         if r["unattributed_total"] or r["enqueued_total"]:

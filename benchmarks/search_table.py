@@ -72,6 +72,9 @@ class Table:
     step_seconds: str = "recorded"  # or "scale": the 1 / scale model of earlier runs
     merged: tuple[str, ...] = ()  # grid params whose labels were pooled (--merge)
     baseline_args: dict[str, Any] = field(default_factory=dict)  # its engine arguments
+    # Grid labels refused before any server started (an invalid combination): a study is told
+    # 0 for them at no GPU time, as the real driver tells a rejected trial.
+    refused: frozenset[str] = frozenset()
 
     @property
     def best(self) -> float:
@@ -96,7 +99,8 @@ def load_table(
     merge: tuple[str, ...] = (),
     step_seconds: str = "recorded",
 ) -> Table:
-    """The table from ``capacity_table.py``'s JSON (every grid point measured, unless partial).
+    """The table from ``capacity_table.py``'s JSON (every grid point measured or refused as an
+    invalid combination, unless partial).
 
     ``merge``: grid params whose values are labels of one engine configuration (on the CPU
     build of the first table, ``kv-cache-memory-bytes`` did not act): the configurations that
@@ -128,6 +132,12 @@ def load_table(
             overheads.append(
                 max(0.0, m["wall_s"] - m["startup_s"] - replay) / (len(m["steps"]) + 1)
             )
+    refused = set()
+    for entry in (doc.get("refused") or {}).values():
+        params = {k: v for k, v in entry["params"].items() if k not in merge}
+        for k, v in params.items():
+            grid.setdefault(k, set()).add(json.dumps(v))
+        refused.add(json.dumps(dict(sorted(params.items())), sort_keys=True))
     truth = {k: statistics.fmean(m["capacity_rps"] for m in ms) for k, ms in raw.items()}
     table = Table(
         grid={k: sorted((json.loads(v) for v in vs), key=_order) for k, vs in grid.items()},
@@ -138,8 +148,13 @@ def load_table(
         step_seconds=step_seconds,
         merged=tuple(merge),
         baseline_args=baseline_args,
+        refused=frozenset(refused - set(configs)),
     )
-    missing = math.prod(len(v) for v in table.grid.values()) - (len(configs) - bool(baseline))
+    missing = (
+        math.prod(len(v) for v in table.grid.values())
+        - (len(configs) - bool(baseline))
+        - len(table.refused)
+    )
     if not baseline or (missing and not partial):
         raise SystemExit(
             f"the table lacks {missing} grid point(s)"
@@ -302,6 +317,7 @@ class Run:
     seed: int = -1
     origins: Counter[str] = field(default_factory=Counter)  # measured trials by origin
     refused_held: int = 0  # proposals of a configuration already measured (nothing measured)
+    refused_invalid: int = 0  # proposals of a label refused as invalid (told 0, no GPU time)
 
 
 # Reading a run: what it had found when, and the table's top decile.

@@ -94,3 +94,28 @@ def test_the_table_is_built_from_one_machines_repeats_only(tmp_path: Path) -> No
         build([GRID / "r2", other], 0.05)
     mixed = build([GRID / "r2", other], 0.05, mixed=True)
     assert {m["folder"] for m in mixed["made_with"]} == {"r2", "r4"}
+
+
+def test_the_third_grid_keys_its_configurations_on_their_params() -> None:
+    # The third grid varies the block size, which the first two fixed (and the key dropped):
+    # keyed on the arguments, its two block sizes of one configuration were one entry. Its
+    # refused labels (chunked prefill off with a budget under the context) are listed apart.
+    folder = REPO / "benchmarks/data/capacity-grid-v3/r1"
+    table = build([folder], 0.05)
+    measured = [
+        t
+        for t in optuna.load_study(
+            study_name="capacity-grid-v3", storage=f"sqlite:///{folder / 'study.db'}"
+        ).get_trials(deepcopy=False)
+        if measurement(t, 0.05) is not None
+    ]
+    assert len(table["configs"]) == len(measured) > 50  # one folder: one entry per trial
+    grid = {"max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill"}
+    grid |= {"enable-prefix-caching", "block-size", "kv-cache-memory-bytes"}
+    points = [c for c in table["configs"].values() if not c["measurements"][0]["baseline"]]
+    assert all(set(c["params"]) == grid for c in points)
+    assert {c["params"]["block-size"] for c in points} == {32, 128}
+    assert len(table["refused"]) > 20 and not set(table["refused"]) & set(table["configs"])
+    for entry in table["refused"].values():
+        params = entry["params"]
+        assert not params["enable-chunked-prefill"] and params["max-num-batched-tokens"] < 2048

@@ -492,3 +492,28 @@ def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
     rows = replication_rows(table, {"guided": runs, "random-racing": runs}, {"0-3": range(4)})
     (d,) = differences(rows, pairs)
     assert d["pair"] == "guided - random-racing" and d["returned_rps"] == 0.0
+
+
+def test_a_refused_label_is_told_zero_at_no_cost_and_counted() -> None:
+    # As the real driver: an invalid combination starts no server, is told the worst value
+    # (capacity 0) and is held, so a model does not propose it again.
+    from benchmarks.search_efficiency import origin_rows, run_sampler
+    from tests.unit.benchmarks.test_search_table import synthetic_table
+
+    doc = synthetic_table(missing=4)
+    doc["refused"] = {
+        k: {"params": e["params"], "message": "invalid"}
+        for k, e in list(synthetic_table()["configs"].items())[:4]
+    }
+    table = load_table(doc)
+    assert len(table.refused) == 4
+    for name in ("random", "tpe-racing"):
+        runs = [run_sampler(name, table, SETTINGS, seed, math.inf) for seed in range(3)]
+        for run in runs:
+            assert run.trials == len(table.configs)  # every measurable point, then the end
+            assert set(run.curve_keys) <= set(table.configs)
+            if name == "tpe-racing":  # told and held: each refused label proposed once at most
+                assert run.refused_invalid <= len(table.refused)
+        assert sum(r.refused_invalid for r in runs) > 0, name
+        rows = {r["strategy"]: r for r in origin_rows({name: runs})}
+        assert rows[name]["refused_invalid_total"] == sum(r.refused_invalid for r in runs)

@@ -280,3 +280,15 @@ def test_a_model_sampler_proposes_the_same_with_or_without_the_baseline_trial() 
                 points.append(p)
             proposals.append(points)
         assert proposals[0] == proposals[1], name
+
+
+def test_refused_labels_complete_the_grid_without_being_points() -> None:
+    # The third grid refuses chunked prefill off with a budget under the context before any
+    # server starts: those labels are part of the grid's product but have nothing to measure.
+    doc = synthetic_table(missing=2)
+    for key, entry in list(synthetic_table()["configs"].items())[:2]:
+        doc.setdefault("refused", {})[key] = {"params": entry["params"], "message": "invalid"}
+    table = load_table(doc)  # complete: 10 measured, 2 refused, the product of the grid is 12
+    assert len(table.configs) == 11 and len(table.refused) == 2
+    assert not table.refused & set(table.configs)
+    assert all(table.key(json.loads(k)) == k for k in table.refused)
