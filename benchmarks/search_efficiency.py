@@ -50,6 +50,11 @@ place of a held configuration, a random fallback, the sampler's startup draws:
 :class:`optimizer.sampling.KnowledgeSampler`'s ``origins``; the guide's moves; a strategy
 without a model, its own draws) and its proposals refused as held (:func:`print_origins`).
 
+``--jobs N`` runs N offline studies at once (worker processes; the same runs as one at a time);
+``--runs-dir DIR`` keeps every finished run in DIR and reads it back on the next call with the
+same table, settings and budget, so a long call that was stopped resumes (clear DIR after
+changing the code).
+
 Usage:
     python -m benchmarks.search_efficiency benchmarks/data/capacity_table_cpu.json \
         --seed-sets 0-19,20-39 --strategies tpe-racing,random-racing,random,tpe
@@ -58,6 +63,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -442,17 +448,128 @@ def run_all(
     budget_s: float,
     progress: Callable[[str], None] = lambda _line: None,
     warm: Warm | None = None,
+    *,
+    jobs: int = 1,
+    cache: RunCache | None = None,
 ) -> dict[str, list[Run]]:
-    """Every strategy, one offline study per seed (``seeds``: a count from 0, or the seeds)."""
+    """Every strategy, one offline study per seed (``seeds``: a count from 0, or the seeds).
+
+    ``jobs``: offline studies run at once, in worker processes (each study is one seed's, so the
+    runs are the same as one after the other). ``cache``: each finished run is written there as
+    it ends and read back instead of run again (a long run resumes where it stopped)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    runs: dict[str, list[Run]] = {}
+    done: dict[tuple[str, int], Run] = {}
+    todo: list[tuple[str, int]] = []
     for name in strategies:
-        runs[name] = [
-            run_strategy(name, table, settings, seed, budget_s, warm) for seed in seed_list
-        ]
-        progress(f"{name}: {len(seed_list)} seeds")
-    return runs
+        for seed in seed_list:
+            cached = cache.get(name, seed) if cache is not None else None
+            if cached is not None:
+                done[(name, seed)] = cached
+            else:
+                todo.append((name, seed))
+    if cache is not None and done:
+        progress(f"{len(done)} runs read from {cache.folder}, {len(todo)} to run")
+    left = Counter(name for name, _ in todo)
+
+    def finished(name: str, seed: int, run: Run) -> None:
+        done[(name, seed)] = run
+        if cache is not None:
+            cache.put(name, seed, run)
+        left[name] -= 1
+        if left[name] == 0:
+            progress(f"{name}: {len(seed_list)} seeds")
+
+    if jobs <= 1 or len(todo) <= 1:
+        for name, seed in todo:
+            finished(name, seed, run_strategy(name, table, settings, seed, budget_s, warm))
+    else:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {
+                pool.submit(_run_quietly, name, table, settings, seed, budget_s, warm): (name, seed)
+                for name, seed in todo
+            }
+            for future in as_completed(futures):
+                finished(*futures[future], future.result())
+    return {name: [done[(name, seed)] for seed in seed_list] for name in strategies}
+
+
+def _run_quietly(
+    name: str,
+    table: Table,
+    settings: CapacitySettings,
+    seed: int,
+    budget_s: float,
+    warm: Warm | None,
+) -> Run:
+    """:func:`run_strategy` in a worker process (Optuna's log silenced there too)."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    return run_strategy(name, table, settings, seed, budget_s, warm)
+
+
+class RunCache:
+    """Finished offline runs in a folder, one JSON file per strategy and seed, valid for one
+    table, search settings and budget (``identity``): a run made for another is not read.
+
+    The runs depend on the code too: clear the folder after changing a strategy or the
+    offline study."""
+
+    def __init__(self, folder: Path, identity: Mapping[str, Any]) -> None:
+        self.folder = folder
+        self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+
+    def _path(self, name: str, seed: int) -> Path:
+        return self.folder / name / f"seed-{seed}.json"
+
+    def get(self, name: str, seed: int) -> Run | None:
+        path = self._path(name, seed)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if doc.get("identity") != self.identity:
+            return None
+        return run_from_doc(doc["run"])
+
+    def put(self, name: str, seed: int, run: Run) -> None:
+        path = self._path(name, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"identity": self.identity, "run": run_to_doc(run)}))
+        tmp.replace(path)
+
+
+def run_to_doc(run: Run) -> dict[str, Any]:
+    """A run as JSON (:func:`run_from_doc` reads it back)."""
+    return {
+        "curve": [list(p) for p in run.curve],
+        "losing_trial_s": run.losing_trial_s,
+        "trials": run.trials,
+        "step_sources": dict(run.step_sources),
+        "curve_keys": run.curve_keys,
+        "lower_bounds": run.lower_bounds,
+        "seed": run.seed,
+        "origins": dict(run.origins),
+        "refused_held": run.refused_held,
+        "refused_invalid": run.refused_invalid,
+    }
+
+
+def run_from_doc(doc: Mapping[str, Any]) -> Run:
+    return Run(
+        curve=[(float(a), float(b)) for a, b in doc["curve"]],
+        losing_trial_s=[float(x) for x in doc["losing_trial_s"]],
+        trials=int(doc["trials"]),
+        step_sources=Counter(doc["step_sources"]),
+        curve_keys=list(doc["curve_keys"]),
+        lower_bounds=int(doc["lower_bounds"]),
+        seed=int(doc["seed"]),
+        origins=Counter(doc["origins"]),
+        refused_held=int(doc["refused_held"]),
+        refused_invalid=int(doc["refused_invalid"]),
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -478,6 +595,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--budget", type=float, default=1.0, help="times the grid's GPU time")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="offline studies at once (worker processes)"
+    )
+    ap.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="keep each finished run here and read it back on the next call (resumable); "
+        "clear it after changing the code",
+    )
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the rows and curves here")
     ap.add_argument(
@@ -524,7 +651,28 @@ def main(argv: list[str] | None = None) -> int:
             f"warm start from {ns.warm_from}: {len(warm.priors)} prior trials, "
             f"{len(warm.top)} configurations enqueued"
         )
-    runs = run_all(table, settings, ns.strategies.split(","), seeds, budget, print, warm)
+    cache = None
+    if ns.runs_dir is not None:
+        identity = {
+            "table": hashlib.sha256(ns.table.read_bytes()).hexdigest(),
+            "merge": merge,
+            "step_seconds": ns.step_seconds,
+            "settings": settings,
+            "budget_s": budget,
+            "warm_from": str(ns.warm_from) if ns.warm_from else None,
+        }
+        cache = RunCache(ns.runs_dir, identity)
+    runs = run_all(
+        table,
+        settings,
+        ns.strategies.split(","),
+        seeds,
+        budget,
+        print,
+        warm,
+        jobs=ns.jobs,
+        cache=cache,
+    )
     rows = summarize_runs(table, runs, table.full_grid_s())
     print_summary(table, rows)
     print_found_at(table, runs)

@@ -517,3 +517,34 @@ def test_a_refused_label_is_told_zero_at_no_cost_and_counted() -> None:
         assert sum(r.refused_invalid for r in runs) > 0, name
         rows = {r["strategy"]: r for r in origin_rows({name: runs})}
         assert rows[name]["refused_invalid_total"] == sum(r.refused_invalid for r in runs)
+
+
+def test_runs_in_worker_processes_equal_runs_one_at_a_time_and_resume_from_the_folder(
+    tmp_path, monkeypatch
+) -> None:
+    import benchmarks.search_efficiency as se
+
+    table = load_table(synthetic_table())
+    budget = table.full_grid_s() / 2
+    names = ["tpe-racing", "random-racing", "grid"]
+    alone = run_all(table, SETTINGS, names, seeds=3, budget_s=budget)
+    cache = se.RunCache(tmp_path / "runs", {"table": "t", "budget_s": budget})
+    lines: list[str] = []
+    pooled = run_all(table, SETTINGS, names, seeds=3, budget_s=budget, jobs=2, cache=cache)
+    for name in names:
+        assert [se.run_to_doc(r) for r in pooled[name]] == [se.run_to_doc(r) for r in alone[name]]
+    assert len(list((tmp_path / "runs").rglob("seed-*.json"))) == 9
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a kept run was run again")
+
+    monkeypatch.setattr(se, "run_strategy", never)
+    again = run_all(
+        table, SETTINGS, names, seeds=3, budget_s=budget, progress=lines.append, cache=cache
+    )
+    assert lines == ["9 runs read from " + str(tmp_path / "runs") + ", 0 to run"]
+    assert [se.run_to_doc(r) for r in again["grid"]] == [se.run_to_doc(r) for r in alone["grid"]]
+    # Another table or budget: the kept runs are not read.
+    other = se.RunCache(tmp_path / "runs", {"table": "t", "budget_s": budget * 2})
+    with pytest.raises(AssertionError, match="run again"):
+        run_all(table, SETTINGS, names, seeds=1, budget_s=budget, cache=other)
