@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +131,23 @@ def machine_mismatch(stacks: dict[str, dict[str, str]]) -> list[str]:
     return out
 
 
-def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str, Any]:
+def build(
+    folders: list[Path],
+    noise: float,
+    *,
+    mixed: bool = False,
+    drop: Mapping[str, Iterable[int]] | None = None,
+) -> dict[str, Any]:
     """The table: every configuration with its measurements, and how it was made.
 
     Repeats measured on different machines or stacks (say, one CPU with AVX-512 and one without)
-    are not one configuration's noise: they are refused unless ``mixed``."""
+    are not one configuration's noise: they are refused unless ``mixed``. ``drop``: per folder
+    name, trial numbers left out (measured beside other work, say: its ``others.log``), listed
+    in the table's ``made_with``."""
+    dropped = {name: sorted(set(numbers)) for name, numbers in (drop or {}).items()}
+    unknown = set(dropped) - {folder.name for folder in folders}
+    if unknown:
+        raise SystemExit(f"--drop names folders not given: {', '.join(sorted(unknown))}")
     configs: dict[str, dict[str, Any]] = {}
     refused: dict[str, dict[str, Any]] = {}
     made: list[dict[str, Any]] = []
@@ -157,9 +170,12 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
                 "stack": stacks[str(folder)],
                 "started_at": saved.get("started_at"),
                 "trials": len(study.trials),
+                "dropped": dropped.get(folder.name, []),
             }
         )
         for trial in study.get_trials(deepcopy=False):
+            if trial.number in dropped.get(folder.name, ()):
+                continue
             if trial.user_attrs.get("status") == "rejected" and trial.params:
                 # Refused before any server started (an invalid combination): a grid label
                 # with no configuration to measure, which a study is told 0 for at no cost.
@@ -193,6 +209,21 @@ def build(folders: list[Path], noise: float, *, mixed: bool = False) -> dict[str
     }
 
 
+def parse_drop(items: Iterable[str]) -> dict[str, list[int]]:
+    """``["r1:127,129", "r2:3"]`` -> ``{"r1": [127, 129], "r2": [3]}``."""
+    out: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, numbers = item.partition(":")
+        try:
+            parsed = [int(n) for n in numbers.split(",") if n.strip()]
+        except ValueError:
+            parsed = []
+        if not sep or not name or not parsed:
+            raise SystemExit(f"--drop {item!r}: expected FOLDER:N[,N...], e.g. r1:127,129")
+        out.setdefault(name, []).extend(parsed)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", type=Path)
@@ -203,8 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="build from repeats whose machines or stacks differ (refused by default)",
     )
+    ap.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="FOLDER:N,N",
+        help="leave out these trials of the folder named FOLDER (say, measured beside other "
+        "work); repeatable",
+    )
     ns = ap.parse_args(argv)
-    table = build(ns.folders, ns.noise, mixed=ns.mixed_machines)
+    table = build(ns.folders, ns.noise, mixed=ns.mixed_machines, drop=parse_drop(ns.drop))
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     counts = [len(c["measurements"]) for c in table["configs"].values()]

@@ -119,3 +119,27 @@ def test_the_third_grid_keys_its_configurations_on_their_params() -> None:
     for entry in table["refused"].values():
         params = entry["params"]
         assert not params["enable-chunked-prefill"] and params["max-num-batched-tokens"] < 2048
+
+
+def test_trials_measured_beside_other_work_can_be_left_out() -> None:
+    from benchmarks.capacity_table import parse_drop
+
+    folder = REPO / "benchmarks/data/capacity-grid-v3/r1"
+    whole = build([folder], 0.05)
+    numbers = sorted(
+        m["trial"]
+        for c in whole["configs"].values()
+        for m in c["measurements"]
+        if not m["baseline"]
+    )[:2]
+    less = build([folder], 0.05, drop={"r1": numbers})
+    assert len(less["configs"]) == len(whole["configs"]) - 2
+    assert less["made_with"][0]["dropped"] == numbers
+    kept = {m["trial"] for c in less["configs"].values() for m in c["measurements"]}
+    assert not kept & set(numbers)
+    with pytest.raises(SystemExit, match="not given: r9"):
+        build([folder], 0.05, drop={"r9": [1]})
+    assert parse_drop(["r1:127,129", "r2:3", "r1:130"]) == {"r1": [127, 129, 130], "r2": [3]}
+    for bad in ("r1", "r1:", ":3", "r1:x"):
+        with pytest.raises(SystemExit, match="expected FOLDER:N"):
+            parse_drop([bad])
