@@ -145,7 +145,10 @@ def build(
     name, trial numbers left out (measured beside other work, say: its ``others.log``), listed
     in the table's ``made_with``."""
     dropped = {name: sorted(set(numbers)) for name, numbers in (drop or {}).items()}
-    unknown = set(dropped) - {folder.name for folder in folders}
+    names = [folder.name for folder in folders]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"two folders share a name ({', '.join(names)}): the table keys by name")
+    unknown = set(dropped) - set(names)
     if unknown:
         raise SystemExit(f"--drop names folders not given: {', '.join(sorted(unknown))}")
     configs: dict[str, dict[str, Any]] = {}
@@ -161,6 +164,12 @@ def build(
             + "\n  ".join(mismatch)
         )
     for folder, saved, study in loaded:
+        numbers = {t.number for t in study.get_trials(deepcopy=False)}
+        absent = sorted(set(dropped.get(folder.name, ())) - numbers)
+        if absent:
+            raise SystemExit(
+                f"--drop {folder.name}:{','.join(map(str, absent))}: no such trial in {folder}"
+            )
         made.append(
             {
                 "folder": folder.name,

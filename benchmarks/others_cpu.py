@@ -6,9 +6,13 @@ capacity-grid folders keep an ``others.log`` beside their study (one line per sa
 seconds, then the CPU of the other processes in % of one core); ``report`` reads it against the
 study's trials and names those measured beside other work, for ``capacity_table.py --drop``.
 
-A process is the study's when it is the study's driver or one of its descendants, or a vLLM
-server's (its command line names vllm, or it is a multiprocessing child or the engine's guard,
-which run in sessions of their own). This monitor counts itself out.
+A process is the study's when it is the study's driver or one of its descendants, or runs under
+one of the driver's engine guards (``optimizer.engine.guard PID``: a vLLM server and its engine
+processes, in a session of their own) or descends from one. This monitor counts itself out. A
+process first seen at a sample is counted from its start where it started within the interval;
+one that starts and ends between two samples is missed. Optuna records trial times in the local
+time of the machine that ran the study: run ``report`` in that machine's time zone (the kept
+grids ran in UTC: ``TZ=UTC``).
 
 Usage:
     python -m benchmarks.others_cpu watch $(cat grid.pid) runs/capacity-grid-v3/r1-others.log &
@@ -27,12 +31,28 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-_STUDY_MARKS = ("vllm", "VLLM", "spawn_main", "optimizer.engine.guard")
 
-
-def _is_study(pid: int, cmdline: Sequence[str], tree: set[int]) -> bool:
-    cmd = " ".join(cmdline)
-    return pid in tree or any(mark in cmd for mark in _STUDY_MARKS)
+def study_pids(study_pid: int, table: Iterable[tuple[int, int, Sequence[str]]]) -> set[int]:
+    """The study's processes in a process table of (pid, parent pid, command line): the driver,
+    its engine guards (``optimizer.engine.guard STUDY_PID ...``) and every descendant of them."""
+    rows = list(table)
+    roots = {study_pid}
+    for pid, _ppid, cmdline in rows:
+        args = list(cmdline)
+        if "optimizer.engine.guard" in args:
+            at = args.index("optimizer.engine.guard")
+            if at + 1 < len(args) and args[at + 1] == str(study_pid):
+                roots.add(pid)
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _cmdline in rows:
+        children.setdefault(ppid, []).append(pid)
+    out, stack = set(), list(roots)
+    while stack:
+        pid = stack.pop()
+        if pid not in out:
+            out.add(pid)
+            stack.extend(children.get(pid, ()))
+    return out
 
 
 def watch(study_pid: int, log: Path, interval_s: float = 10.0) -> None:
@@ -41,28 +61,33 @@ def watch(study_pid: int, log: Path, interval_s: float = 10.0) -> None:
 
     me = os.getpid()
     seen: dict[int, psutil.Process] = {}
+    last = time.time()
     with log.open("a", buffering=1) as out:
-        while True:
-            try:
-                tree = {study_pid} | {
-                    c.pid for c in psutil.Process(study_pid).children(recursive=True)
-                }
-            except psutil.NoSuchProcess:
-                return
-            total = 0.0
-            for proc in psutil.process_iter(["pid", "cmdline"]):
+        while psutil.pid_exists(study_pid):
+            procs = list(psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]))
+            mine = study_pids(
+                study_pid, ((p.info["pid"], p.info["ppid"], p.info["cmdline"] or []) for p in procs)
+            )
+            now, total = time.time(), 0.0
+            for proc in procs:
                 pid = proc.info["pid"]
                 if pid == me:
                     continue
-                if pid not in seen:  # its first sample only starts the count
+                counted = pid not in mine
+                if pid not in seen:
                     seen[pid] = proc
                     with contextlib.suppress(psutil.Error):
-                        proc.cpu_percent(None)
+                        proc.cpu_percent(None)  # starts its count for the next sample
+                        started = proc.info["create_time"] or 0.0
+                        if counted and started > last:  # new since the last sample
+                            times = proc.cpu_times()
+                            total += 100.0 * (times.user + times.system) / max(now - last, 1e-3)
                     continue
-                if not _is_study(pid, proc.info["cmdline"] or [], tree):
+                if counted:
                     with contextlib.suppress(psutil.Error):
                         total += seen[pid].cpu_percent(None)
-            out.write(f"{time.time():.0f} {total:.0f}\n")
+            out.write(f"{now:.0f} {total:.0f}\n")
+            last = now
             time.sleep(interval_s)
 
 
@@ -86,7 +111,7 @@ class TrialLoad:
     number: int
     status: str
     seconds: float
-    samples: int
+    samples: int  # 0: the monitor was not running (unknown, not quiet)
     busy: int  # samples at or above the threshold
     peak: float
 
@@ -95,11 +120,13 @@ def trial_loads(
     trials: Iterable[tuple[int, str, float, float]],
     samples: Sequence[tuple[float, float]],
     threshold: float,
+    interval_s: float = 10.0,
 ) -> list[TrialLoad]:
-    """Per trial (number, status, start epoch, end epoch): its samples, busy ones, the peak."""
+    """Per trial (number, status, start epoch, end epoch): the samples that cover some of it (a
+    sample at t covers the interval before t), the busy ones, the peak."""
     out = []
     for number, status, start, end in trials:
-        inside = [v for t, v in samples if start <= t <= end]
+        inside = [v for t, v in samples if start < t <= end + interval_s]
         out.append(
             TrialLoad(
                 number=number,
@@ -139,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("log", type=Path, help="its others.log")
     r.add_argument("--from-trial", type=int, default=0)
     r.add_argument("--threshold", type=float, default=20.0, help="%% of a core that is busy")
+    r.add_argument("--interval", type=float, default=10.0, help="the log's sampling interval")
     ns = ap.parse_args(argv)
     if ns.command == "watch":
         watch(ns.pid, ns.log, ns.interval)
@@ -146,18 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.log.is_file():
         raise SystemExit(f"{ns.log}: no such file")
     samples = read_log(ns.log.read_text().splitlines())
-    loads = trial_loads(_study_trials(ns.folder, ns.from_trial), samples, ns.threshold)
+    loads = trial_loads(_study_trials(ns.folder, ns.from_trial), samples, ns.threshold, ns.interval)
     print(f"{'trial':>5} {'status':>12} {'s':>6} {'samples':>7} {'busy':>4} {'peak %':>6}")
     for x in loads:
         print(
             f"{x.number:5d} {x.status:>12} {x.seconds:6.0f} {x.samples:7d} {x.busy:4d} "
             f"{x.peak:6.0f}"
         )
-    flagged = [x.number for x in loads if x.busy and x.status == "complete"]
+    measured = [x for x in loads if x.status == "complete"]
+    flagged = [x.number for x in measured if x.busy]
+    unwatched = [x.number for x in measured if not x.samples]
     print(
         f"measured beside other work (a sample at {ns.threshold:g} % of a core or more): "
         + (",".join(map(str, flagged)) if flagged else "none")
     )
+    if unwatched:
+        print("measured with no monitor running (unknown): " + ",".join(map(str, unwatched)))
     return 0
 
 

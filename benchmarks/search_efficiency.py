@@ -92,6 +92,7 @@ from benchmarks.search_table import (
     time_to,
     top_decile,
 )
+from objectives.presets import FAILED_CONSTRAINT
 from optimizer.types import CapacitySettings
 
 STRATEGIES = (
@@ -262,9 +263,11 @@ def run_sampler(
         key = table.key(params)
         if key in table.refused:
             # The real driver starts no server for an invalid combination and tells it the
-            # worst value (capacity 0): it costs no GPU time, and the sampler holds it.
+            # worst value (capacity 0) with every SLO violated: it costs no GPU time, TPE and
+            # GP read it as infeasible, and the sampler holds it.
             study_.run.refused_invalid += 1
             trial.set_user_attr("status", "rejected")
+            trial.set_constraint(_CONSTRAINT, FAILED_CONSTRAINT * table.slos)
             study.tell(trial, 0.0)
             continue
         if key in study_.measured or key not in table.configs:
@@ -282,8 +285,16 @@ def run_sampler(
             trial.report(study_.upper_rps, 0)  # as the real driver tells a raced-out trial
             study.tell(trial, state=TrialState.PRUNED)
         else:
+            # As the driver: feasible where some scale passed, else the lowest step's margin.
+            trial.set_constraint(_CONSTRAINT, study_.violation)
             study.tell(trial, told)
     return study_.run
+
+
+# The offline study's one constraint: the sum of the driver's per-SLO constraints where it is
+# known (a refused label, a step that measured nothing), else the deciding SLO's margin (the
+# table keeps only that one: TPE ranks infeasible trials by the sum of their violations).
+_CONSTRAINT = "slos"
 
 
 def _begin(table: Table, settings: CapacitySettings, seed: int, racing: bool) -> OfflineStudy:
@@ -344,7 +355,12 @@ def run_one_at_a_time(table: Table, settings: CapacitySettings, seed: int, budge
     return study_.run
 
 
-_DEFAULTS = {"max-num-seqs": 128, "max-num-batched-tokens": 2048, "enable-prefix-caching": True}
+_DEFAULTS = {
+    "max-num-seqs": 128,
+    "max-num-batched-tokens": 2048,
+    "enable-prefix-caching": True,
+    "enable-chunked-prefill": True,
+}
 
 
 def _nearest_default(name: str, values: list[Any]) -> Any:
@@ -355,7 +371,9 @@ def _nearest_default(name: str, values: list[Any]) -> Any:
         return max(numeric) if numeric else values[0]
     if isinstance(default, bool):
         return default if default in values else values[0]
-    return min(values, key=lambda v: abs(math.log(v / default)))
+    # A tie (1,024 and 4,096 around 2,048) goes to the larger: a budget under the context
+    # with chunked prefill off is refused.
+    return min(values, key=lambda v: (round(abs(math.log(v / default)), 9), -v))
 
 
 def run_strategy(
@@ -491,8 +509,14 @@ def run_all(
                 pool.submit(_run_quietly, name, table, settings, seed, budget_s, warm): (name, seed)
                 for name, seed in todo
             }
-            for future in as_completed(futures):
-                finished(*futures[future], future.result())
+            try:
+                for future in as_completed(futures):
+                    finished(*futures[future], future.result())
+            except BaseException:
+                # A failed run (or ^C) ends the call: the queued runs are not started, and the
+                # finished ones are kept in the cache already.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     return {name: [done[(name, seed)] for seed in seed_list] for name in strategies}
 
 
@@ -507,6 +531,16 @@ def _run_quietly(
     """:func:`run_strategy` in a worker process (Optuna's log silenced there too)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     return run_strategy(name, table, settings, seed, budget_s, warm)
+
+
+def _warm_digest(warm: Warm | None) -> str | None:
+    """A digest of a warm start's enqueued configurations and prior trials (None: no warm
+    start)."""
+    if warm is None:
+        return None
+    priors = [(t.params, t.values, t.state.name) for t in warm.priors]
+    text = json.dumps([list(warm.top), priors], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class RunCache:
@@ -644,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = sorted({s for ss in seed_sets.values() for s in ss})
     job = ns.job if ns.job is not None else table_job(doc, DATA_DIR)
     settings = _settings(job)
+    table.slos = _slo_count(job)
     budget = ns.budget * table.full_grid_s()
     warm = load_warm(ns.warm_from, table, job) if ns.warm_from else None
     if warm is not None:
@@ -659,7 +694,10 @@ def main(argv: list[str] | None = None) -> int:
             "step_seconds": ns.step_seconds,
             "settings": settings,
             "budget_s": budget,
-            "warm_from": str(ns.warm_from) if ns.warm_from else None,
+            "slos": table.slos,
+            # What the warm start read (the earlier study may have grown since), not its path.
+            "warm": _warm_digest(warm),
+            "optuna": optuna.__version__,
         }
         cache = RunCache(ns.runs_dir, identity)
     runs = run_all(
@@ -1055,6 +1093,15 @@ def _settings(job: Path) -> CapacitySettings:
 
     loaded, _base = load_job(job)
     return loaded.capacity.settings()
+
+
+def _slo_count(job: Path) -> int:
+    """The SLOs the job judged its trials on (a refused trial is told each one violated)."""
+    from optimizer.config import load_job
+    from optimizer.study import job_objectives
+
+    loaded, _base = load_job(job)
+    return max(1, len(job_objectives(loaded).slos))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial
 
+from objectives.presets import FAILED_CONSTRAINT
 from optimizer.capacity.search import StepOutcome, search_capacity
 from optimizer.types import CapacitySettings
 
@@ -75,6 +76,9 @@ class Table:
     # Grid labels refused before any server started (an invalid combination): a study is told
     # 0 for them at no GPU time, as the real driver tells a rejected trial.
     refused: frozenset[str] = frozenset()
+    # The SLOs the table's job judged on: a refused label, or a step that measured nothing, is
+    # told every one violated (FAILED_CONSTRAINT each), as the driver tells it.
+    slos: int = 1
 
     @property
     def best(self) -> float:
@@ -388,6 +392,10 @@ class OfflineStudy:
         self.measured: dict[str, float | None] = {}
         self.symptoms: dict[str, str | None] = {}  # per measured key: its drawn measurement's
         self.upper_rps = 0.0
+        # The last told trial's constraint, as the driver tells a capacity trial
+        # (optimizer.capacity.trial.capacity_constraints): <= 0 where some scale passed, else
+        # the lowest step's deciding margin (every SLO violated where that step stopped early).
+        self.violation = 0.0
 
     def measure(self, key: str) -> tuple[float | None, bool]:
         """(told capacity req/s, or None when raced out; raced) for one trial of ``key``."""
@@ -411,6 +419,15 @@ class OfflineStudy:
             self.incumbent_scale = est
         self.measured[key] = told
         self.symptoms[key] = m.symptom
+        self.violation = 0.0
+        if result.scale <= 0 and result.steps:
+            low = min(result.steps, key=lambda step: step.scale)
+            deciding = low.margins.get("deciding", math.inf)
+            self.violation = (
+                FAILED_CONSTRAINT * self.table.slos
+                if low.stopped_early or not math.isfinite(deciding)
+                else max(deciding, 1e-3)
+            )
         self.run.trials += 1
         self.run.step_sources.update(server.sources)
         self.run.curve.append((self.seconds, self.table.truth[self.found]))

@@ -139,6 +139,8 @@ def test_trials_measured_beside_other_work_can_be_left_out() -> None:
     assert not kept & set(numbers)
     with pytest.raises(SystemExit, match="not given: r9"):
         build([folder], 0.05, drop={"r9": [1]})
+    with pytest.raises(SystemExit, match="r1:100000: no such trial"):
+        build([folder], 0.05, drop={"r1": [numbers[0], 100000]})
     assert parse_drop(["r1:127,129", "r2:3", "r1:130"]) == {"r1": [127, 129, 130], "r2": [3]}
     for bad in ("r1", "r1:", ":3", "r1:x"):
         with pytest.raises(SystemExit, match="expected FOLDER:N"):

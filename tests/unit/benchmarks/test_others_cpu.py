@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-from benchmarks.others_cpu import _is_study, read_log, trial_loads
+from benchmarks.others_cpu import read_log, study_pids, trial_loads
 
 
-def test_the_log_is_read_and_each_trial_gets_its_samples() -> None:
+def test_the_log_is_read_and_each_trial_gets_the_samples_that_cover_it() -> None:
     samples = read_log(["100 1", "110 0", "garbage", "120 144", "130 3", "", "140 66", "150 x"])
     assert samples == [(100, 1), (110, 0), (120, 144), (130, 3), (140, 66)]
-    trials = [(1, "complete", 95, 125), (2, "rejected", 126, 126), (3, "complete", 126, 145)]
+    # A sample at t covers (t - 10, t]: trial 1 ran 95-125, so samples 100 to 130 cover it.
+    trials = [(1, "complete", 95, 125), (2, "rejected", 126, 126), (3, "complete", 131, 145)]
     loads = trial_loads(trials, samples, threshold=20)
     assert [(x.number, x.samples, x.busy, x.peak) for x in loads] == [
-        (1, 3, 1, 144),
-        (2, 0, 0, 0),
-        (3, 2, 1, 66),
+        (1, 4, 1, 144),
+        (2, 1, 0, 3),
+        (3, 1, 1, 66),
     ]
     assert [x.busy for x in trial_loads(trials, samples, threshold=100)] == [1, 0, 0]
+    # No sample at all: the monitor was not running (unknown, reported apart).
+    assert trial_loads([(4, "complete", 500, 600)], samples, threshold=20)[0].samples == 0
 
 
-def test_the_studys_own_processes_are_not_counted_as_others() -> None:
-    tree = {10, 11}
-    assert _is_study(11, ["python", "-m", "optimizer.cli", "tune"], tree)
-    assert _is_study(99, ["python", "-m", "vllm.entrypoints.openai.api_server"], tree)
-    assert _is_study(98, ["VLLM::EngineCore"], tree)
-    assert _is_study(97, ["python", "-m", "optimizer.engine.guard", "10"], tree)
-    assert not _is_study(96, ["python", "-m", "pytest", "tests/unit"], tree)
+def test_the_study_is_its_driver_its_engine_guards_and_their_descendants() -> None:
+    guard = ["python", "-m", "optimizer.engine.guard", "10", "5347987", "15.0", "log"]
+    other_guard = ["python", "-m", "optimizer.engine.guard", "77", "1", "15.0", "log"]
+    table = [
+        (10, 1, ["python", "-m", "optimizer.cli", "tune", "job.yaml"]),
+        (11, 10, ["python", "-c", "spawn_main"]),
+        (20, 1, guard),  # the server's guard runs in a session of its own
+        (21, 20, ["python", "-m", "vllm.entrypoints.openai.api_server"]),
+        (22, 21, ["VLLM::EngineCore"]),
+        (23, 22, ["VLLM::Worker"]),
+        (30, 1, other_guard),  # another study's server: not this one's
+        (31, 30, ["python", "-m", "vllm.entrypoints.openai.api_server"]),
+        (40, 1, ["/x/vllm-autotune/.venv/bin/python", "-m", "pytest"]),
+    ]
+    assert study_pids(10, table) == {10, 11, 20, 21, 22, 23}

@@ -548,3 +548,56 @@ def test_runs_in_worker_processes_equal_runs_one_at_a_time_and_resume_from_the_f
     other = se.RunCache(tmp_path / "runs", {"table": "t", "budget_s": budget * 2})
     with pytest.raises(AssertionError, match="run again"):
         run_all(table, SETTINGS, names, seeds=1, budget_s=budget, cache=other)
+
+
+def test_trials_are_told_the_drivers_constraints(monkeypatch) -> None:
+    # Optuna 5's TPE and GP read a trial's constraints: the driver tells a refused label every
+    # SLO violated, a capacity trial its margins (feasible where some scale passed).
+    from benchmarks.search_efficiency import run_sampler
+    from objectives.presets import FAILED_CONSTRAINT
+    from tests.unit.benchmarks.test_search_table import _entry, synthetic_table
+
+    doc = synthetic_table(missing=2)
+    doc["refused"] = {
+        k: {"params": e["params"], "message": "invalid"}
+        for k, e in list(synthetic_table()["configs"].items())[:2]
+    }
+    zero_key, zero = next(iter(doc["configs"].items()))
+    doc["configs"][zero_key] = _entry(zero["params"], 0.0, baseline=False)
+    table = load_table(doc)
+    table.slos = 3
+    studies: list[optuna.Study] = []
+    real = optuna.create_study
+
+    def spy(*args: object, **kwargs: object) -> optuna.Study:
+        studies.append(real(*args, **kwargs))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", spy)
+    run_sampler("tpe", table, SETTINGS, seed=0, budget_s=math.inf)
+    kinds = Counter()
+    for t in studies[0].trials[1:]:  # after the baseline
+        if t.user_attrs.get("status") == "rejected":
+            kinds["refused"] += 1
+            assert t.value == 0.0 and t.constraints == {"slos": 3 * FAILED_CONSTRAINT}
+        elif t.state.name == "COMPLETE" and t.value > 0:
+            kinds["feasible"] += 1
+            assert t.constraints["slos"] <= 0
+        elif t.state.name == "COMPLETE":
+            kinds["none passed"] += 1
+            assert t.constraints["slos"] == pytest.approx(1.0)  # the lowest step's margin
+    assert kinds["refused"] >= 1 and kinds["feasible"] >= 8 and kinds["none passed"] == 1
+
+
+def test_one_at_a_time_starts_from_a_valid_configuration_of_the_third_grid() -> None:
+    from benchmarks.search_efficiency import _nearest_default
+
+    assert _nearest_default("enable-chunked-prefill", [False, True]) is True
+    assert _nearest_default("max-num-batched-tokens", [256, 1024, 4096]) == 4096
+    assert _nearest_default("max-num-batched-tokens", [256, 2048]) == 2048
+
+
+def test_the_third_tables_job_judges_three_slos() -> None:
+    from benchmarks.search_efficiency import DATA_DIR, _slo_count
+
+    assert _slo_count(DATA_DIR / "cpu-capacity-grid-v3.yaml") == 3

@@ -76,15 +76,17 @@ def test_a_bfloat16_model_on_a_cpu_without_bfloat16_kernels_is_named(tmp_path) -
 
 
 def test_a_study_on_such_a_cpu_prints_the_note_before_it_starts(tmp_path, monkeypatch) -> None:
+    from optimizer import study
     from optimizer.config import load_job
     from optimizer.engine import stack
     from optimizer.study import prepare
     from tests.unit.test_study_loop import _job
 
     job, base = load_job(_job(tmp_path), base=tmp_path)  # the tiny model: bfloat16
+    monkeypatch.setattr(study, "gpu_facts", lambda: (0, 0.0, ""))  # the CPU build, on any host
     monkeypatch.setattr(stack, "cpu_isa", lambda: "avx2 avx512f avx512_vnni")
     plan = prepare(job, base, check_flags=False)
-    if plan.context.cpu_build:
-        assert any("neither AVX512-BF16 nor AMX" in n for n in plan.notes)
+    assert plan.context.cpu_build
+    assert any("neither AVX512-BF16 nor AMX" in n for n in plan.notes)
     monkeypatch.setattr(stack, "cpu_isa", lambda: "avx2 avx512f amx_tile amx_bf16")
     assert not any("AVX512-BF16" in n for n in prepare(job, base, check_flags=False).notes)
