@@ -8,11 +8,12 @@ study's trials and names those measured beside other work, for ``capacity_table.
 
 A process is the study's when it is the study's driver or one of its descendants, or runs under
 one of the driver's engine guards (``optimizer.engine.guard PID``: a vLLM server and its engine
-processes, in a session of their own) or descends from one. This monitor counts itself out. A
-process first seen at a sample is counted from its start where it started within the interval;
-one that starts and ends between two samples is missed. Optuna records trial times in the local
-time of the machine that ran the study: run ``report`` in that machine's time zone (the kept
-grids ran in UTC: ``TZ=UTC``).
+processes, in a session of their own) or descends from one, or was the study's at an earlier
+sample (a stopping server's processes are orphaned for a moment once its guard has ended).
+This monitor counts itself out. A process first seen at a sample is counted from its start
+where it started within the interval; one that starts and ends between two samples is missed.
+Optuna records trial times in the local time of the machine that ran the study: run ``report``
+in that machine's time zone (the kept grids ran in UTC: ``TZ=UTC``).
 
 Usage:
     python -m benchmarks.others_cpu watch $(cat grid.pid) runs/capacity-grid-v3/r1-others.log &
@@ -61,13 +62,15 @@ def watch(study_pid: int, log: Path, interval_s: float = 10.0) -> None:
 
     me = os.getpid()
     seen: dict[int, psutil.Process] = {}
+    ever: set[int] = set()  # the study's processes so far: an ending server's are orphaned
     last = time.time()
     with log.open("a", buffering=1) as out:
         while psutil.pid_exists(study_pid):
             procs = list(psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]))
-            mine = study_pids(
+            mine = ever | study_pids(
                 study_pid, ((p.info["pid"], p.info["ppid"], p.info["cmdline"] or []) for p in procs)
             )
+            ever |= mine
             now, total = time.time(), 0.0
             for proc in procs:
                 pid = proc.info["pid"]
