@@ -677,8 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     seeds = sorted({s for ss in seed_sets.values() for s in ss})
     job = ns.job if ns.job is not None else table_job(doc, DATA_DIR)
-    settings = _settings(job)
-    table.slos = _slo_count(job)
+    settings, table.slos = _job_settings(job)
     budget = ns.budget * table.full_grid_s()
     warm = load_warm(ns.warm_from, table, job) if ns.warm_from else None
     if warm is not None:
@@ -1088,20 +1087,14 @@ def table_job(doc: Mapping[str, Any], data_dir: Path) -> Path:
     return found[0]
 
 
-def _settings(job: Path) -> CapacitySettings:
-    from optimizer.config import load_job
-
-    loaded, _base = load_job(job)
-    return loaded.capacity.settings()
-
-
-def _slo_count(job: Path) -> int:
-    """The SLOs the job judged its trials on (a refused trial is told each one violated)."""
+def _job_settings(job: Path) -> tuple[CapacitySettings, int]:
+    """The job's capacity search settings and the number of SLOs it judged its trials on (a
+    refused trial is told each one violated)."""
     from optimizer.config import load_job
     from optimizer.study import job_objectives
 
     loaded, _base = load_job(job)
-    return max(1, len(job_objectives(loaded).slos))
+    return loaded.capacity.settings(), max(1, len(job_objectives(loaded).slos))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,31 @@ def tiny_table(points: int) -> Table:
     )
 
 
+def spy_studies(monkeypatch: pytest.MonkeyPatch) -> list[optuna.Study]:
+    """The Optuna studies the benchmark creates from now on, in order."""
+    studies: list[optuna.Study] = []
+    real = optuna.create_study
+
+    def spy(*args: Any, **kwargs: Any) -> optuna.Study:
+        studies.append(real(*args, **kwargs))
+        return studies[-1]
+
+    monkeypatch.setattr(optuna, "create_study", spy)
+    return studies
+
+
+def table_doc_with_refused(n: int) -> dict[str, Any]:
+    """The SYNTHETIC table with its first ``n`` points refused as invalid, not measured."""
+    from tests.unit.benchmarks.test_search_table import synthetic_table
+
+    doc = synthetic_table(missing=n)
+    doc["refused"] = {
+        k: {"params": e["params"], "message": "invalid"}
+        for k, e in list(synthetic_table()["configs"].items())[:n]
+    }
+    return doc
+
+
 def test_every_strategy_runs_within_the_budget_and_the_summary_reads_it() -> None:
     table = load_table(synthetic_table())
     budget = table.full_grid_s() / 2
@@ -285,18 +310,10 @@ def test_a_grid_run_measures_every_point_once_and_ends(monkeypatch) -> None:
 
 
 def test_a_run_that_measured_every_configuration_asks_no_more(monkeypatch) -> None:
-    import optuna
 
     from benchmarks.search_efficiency import run_sampler
 
-    studies: list[optuna.Study] = []
-    real = optuna.create_study
-
-    def spy(*args: object, **kwargs: object) -> optuna.Study:
-        studies.append(real(*args, **kwargs))
-        return studies[-1]
-
-    monkeypatch.setattr(optuna, "create_study", spy)
+    studies = spy_studies(monkeypatch)
     table = tiny_table(1)
     assert table.key({"x": 0}) in table.configs
     run = run_sampler("random", table, SETTINGS, seed=0, budget_s=math.inf)
@@ -421,14 +438,7 @@ def test_guideds_first_trial_moves_one_parameter_from_the_baseline_as_its_sympto
     import benchmarks.search_efficiency as se
     from optimizer.guided import MOVE_ATTR, RULES
 
-    studies: list[optuna.Study] = []
-    real = optuna.create_study
-
-    def spy(*args: Any, **kwargs: Any) -> optuna.Study:
-        studies.append(real(*args, **kwargs))
-        return studies[-1]
-
-    monkeypatch.setattr(optuna, "create_study", spy)
+    studies = spy_studies(monkeypatch)
     table = fake_guide_table(symptom)
     run = se.run_sampler("guided", table, SETTINGS, seed=0, budget_s=math.inf)
     base, first = studies[0].trials[:2]
@@ -498,13 +508,8 @@ def test_a_refused_label_is_told_zero_at_no_cost_and_counted() -> None:
     # As the real driver: an invalid combination starts no server, is told the worst value
     # (capacity 0) and is held, so a model does not propose it again.
     from benchmarks.search_efficiency import origin_rows, run_sampler
-    from tests.unit.benchmarks.test_search_table import synthetic_table
 
-    doc = synthetic_table(missing=4)
-    doc["refused"] = {
-        k: {"params": e["params"], "message": "invalid"}
-        for k, e in list(synthetic_table()["configs"].items())[:4]
-    }
+    doc = table_doc_with_refused(4)
     table = load_table(doc)
     assert len(table.refused) == 4
     for name in ("random", "tpe-racing"):
@@ -555,25 +560,14 @@ def test_trials_are_told_the_drivers_constraints(monkeypatch) -> None:
     # SLO violated, a capacity trial its margins (feasible where some scale passed).
     from benchmarks.search_efficiency import run_sampler
     from objectives.presets import FAILED_CONSTRAINT
-    from tests.unit.benchmarks.test_search_table import _entry, synthetic_table
+    from tests.unit.benchmarks.test_search_table import _entry
 
-    doc = synthetic_table(missing=2)
-    doc["refused"] = {
-        k: {"params": e["params"], "message": "invalid"}
-        for k, e in list(synthetic_table()["configs"].items())[:2]
-    }
+    doc = table_doc_with_refused(2)
     zero_key, zero = next(iter(doc["configs"].items()))
     doc["configs"][zero_key] = _entry(zero["params"], 0.0, baseline=False)
     table = load_table(doc)
     table.slos = 3
-    studies: list[optuna.Study] = []
-    real = optuna.create_study
-
-    def spy(*args: object, **kwargs: object) -> optuna.Study:
-        studies.append(real(*args, **kwargs))
-        return studies[-1]
-
-    monkeypatch.setattr(optuna, "create_study", spy)
+    studies = spy_studies(monkeypatch)
     run_sampler("tpe", table, SETTINGS, seed=0, budget_s=math.inf)
     kinds = Counter()
     for t in studies[0].trials[1:]:  # after the baseline
@@ -598,6 +592,6 @@ def test_one_at_a_time_starts_from_a_valid_configuration_of_the_third_grid() -> 
 
 
 def test_the_third_tables_job_judges_three_slos() -> None:
-    from benchmarks.search_efficiency import DATA_DIR, _slo_count
+    from benchmarks.search_efficiency import DATA_DIR, _job_settings
 
-    assert _slo_count(DATA_DIR / "cpu-capacity-grid-v3.yaml") == 3
+    assert _job_settings(DATA_DIR / "cpu-capacity-grid-v3.yaml")[1] == 3
