@@ -22,14 +22,17 @@ best-scoring free configuration**: its own acquisition (TPE's log l(x) - log g(x
 acquisition function) evaluated over the configurations nobody holds (every one of them where
 the space lists, else a few hundred free random draws), never a plain random draw while the
 model can score; only where the model cannot score (too few trials for it) is a free random
-draw taken. During the sampler's startup (its own random draws) the draws skip the held
-configurations the same way. Every proposal's origin is counted in
-:attr:`KnowledgeSampler.origins` and stored on its trial (system attr :data:`ORIGIN_ATTR`):
-``startup`` (the sampler's own random start), ``model`` (its proposal, free as proposed),
-``acquisition`` (its best free configuration in place of a held one), ``random`` (a free random
-draw in place of a held one), ``enqueued`` (a configuration fixed before the trial: the
-baseline, a warm start's), ``guided`` (the tuning guide's move, :mod:`optimizer.guided`). A
-conditional space (``when``) is not covered: a proposal there is
+draw taken. The GP on a listed space of at most a few thousand configurations proposes
+exactly: its acquisition, fitted once, is evaluated on every configuration (in place of Optuna's
+search of the space, which is approximate and costs more), and its best one is taken where
+nobody holds it (``model``), else its best free one (``acquisition``). During the sampler's
+startup (its own random draws) the draws skip the held configurations the same way. Every
+proposal's origin is counted in :attr:`KnowledgeSampler.origins` and stored on its trial
+(system attr :data:`ORIGIN_ATTR`): ``startup`` (the sampler's own random start), ``model`` (its
+proposal, free as proposed), ``acquisition`` (its best free configuration in place of a held
+one), ``random`` (a free random draw in place of a held one), ``enqueued`` (a configuration
+fixed before the trial: the baseline, a warm start's), ``guided`` (the tuning guide's move,
+:mod:`optimizer.guided`). A conditional space (``when``) is not covered: a proposal there is
 compared on the params every trial sets, which few trials hold.
 
 Everything else (storage writes, directions, the study's id) goes to the real study.
@@ -75,6 +78,9 @@ TPE)."""
 ORIGIN_ATTR = "vllm_autotune:origin"
 """The trial system attr that says where its configuration came from (one of :data:`ORIGINS`)."""
 
+_TPE_KEY = "tpe:relative_params"  # optuna.samplers._tpe.sampler._RELATIVE_PARAMS_KEY
+_GP_KEY = "gp:relative_params"  # optuna.samplers._gp.sampler._RELATIVE_PARAMS_KEY
+
 ORIGINS = ("startup", "model", "acquisition", "random", "enqueued", "guided")
 """Where a proposal came from (see the module docstring)."""
 
@@ -113,6 +119,8 @@ def model_sampler(
 class _FreeTPESampler(TPESampler):
     """Optuna's TPE that can also score given configurations with its acquisition."""
 
+    relative_key = _TPE_KEY
+
     def best_of(
         self,
         study: optuna.Study,
@@ -135,14 +143,7 @@ class _FreeTPESampler(TPESampler):
         if self._constant_liar:
             # Parallel workers read a running trial's proposal from these attrs, which hold the
             # held configuration TPE first proposed: the replacement goes in its place.
-            from optuna.samplers._tpe.sampler import _RELATIVE_PARAMS_KEY, _SYSTEM_ATTR_MAX_LENGTH
-
-            text = json.dumps(chosen)
-            for i in range(0, len(text), _SYSTEM_ATTR_MAX_LENGTH):
-                key = f"{_RELATIVE_PARAMS_KEY}:{i // _SYSTEM_ATTR_MAX_LENGTH}"
-                study._storage.set_trial_system_attr(
-                    trial._trial_id, key, text[i : i + _SYSTEM_ATTR_MAX_LENGTH]
-                )
+            store_relative(study, trial, chosen, self.relative_key)
         return chosen
 
     def _estimators(
@@ -177,8 +178,32 @@ class _FreeTPESampler(TPESampler):
 class _FreeGPSampler(GPSampler):
     """Optuna's GP sampler that can also score given configurations with its acquisition."""
 
+    relative_key = _GP_KEY
     _candidates: Sequence[dict[str, Any]] | None = None
     _candidate_space: dict[str, BaseDistribution] | None = None
+    _order: np.ndarray | None = None
+
+    def rank(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        candidates: Sequence[dict[str, Any]],
+    ) -> list[dict[str, Any]] | None:
+        """The candidates in the order of the GP's acquisition, highest first, or None before
+        its startup ends. One fit, as for its own proposal: :meth:`_optimize_acqf` evaluates
+        the candidates instead of searching the space (a stable sort: ties keep the
+        candidates' order)."""
+        if not candidates:
+            return None
+        self._candidates, self._candidate_space, self._order = candidates, space, None
+        try:
+            params = self.sample_relative(study, trial, space)
+        finally:
+            self._candidates = self._candidate_space = None
+        if not params or self._order is None:
+            return None
+        return [dict(candidates[i]) for i in self._order]
 
     def best_of(
         self,
@@ -187,18 +212,13 @@ class _FreeGPSampler(GPSampler):
         space: dict[str, BaseDistribution],
         candidates: Sequence[dict[str, Any]],
     ) -> dict[str, Any] | None:
-        """The candidate with the highest acquisition (the GP fitted as for its own proposal;
-        :meth:`_optimize_acqf` evaluates the candidates instead of optimizing), or None before
-        its startup ends."""
-        if not candidates:
+        """The candidate with the highest acquisition (the GP fitted as for its own proposal),
+        or None before its startup ends; stored as the trial's proposal for parallel workers."""
+        ranked = self.rank(study, trial, space, candidates)
+        if not ranked:
             return None
-        self._candidates, self._candidate_space = candidates, space
-        self._chosen: dict[str, Any] | None = None
-        try:
-            params = self.sample_relative(study, trial, space)
-        finally:
-            self._candidates = self._candidate_space = None
-        return self._chosen if params else None
+        store_relative(study, trial, ranked[0], self.relative_key)
+        return ranked[0]
 
     def _optimize_acqf(self, acqf: Any, best_params: np.ndarray | None) -> np.ndarray:
         if self._candidates is None or self._candidate_space is None:
@@ -210,9 +230,27 @@ class _FreeGPSampler(GPSampler):
         normalized = SearchSpace(self._candidate_space).get_normalized_params(
             cast(list[FrozenTrial], [None] * len(cands)), [dict(c) for c in cands]
         )
-        best = int(np.argmax(acqf.eval_acqf_no_grad(normalized)))
-        self._chosen = dict(cands[best])
-        return cast(np.ndarray, normalized[best])
+        scores = np.asarray(acqf.eval_acqf_no_grad(normalized), dtype=float)
+        self._order = np.argsort(-scores, kind="stable")
+        return cast(np.ndarray, normalized[self._order[0]])
+
+
+def store_relative(
+    study: optuna.Study, trial: FrozenTrial, params: dict[str, Any], key: str
+) -> None:
+    """Store ``params`` as the trial's relative proposal under ``key`` (the system attrs where
+    Optuna's TPE, ``tpe:relative_params``, and GP, ``gp:relative_params``, read a running
+    trial's configuration: the constant liar, qLogEI), in place of a held configuration first
+    proposed."""
+    from optuna.samplers._tpe.sampler import _SYSTEM_ATTR_MAX_LENGTH
+
+    text = json.dumps(params)
+    for i in range(0, len(text), _SYSTEM_ATTR_MAX_LENGTH):
+        study._storage.set_trial_system_attr(
+            trial._trial_id,
+            f"{key}:{i // _SYSTEM_ATTR_MAX_LENGTH}",
+            text[i : i + _SYSTEM_ATTR_MAX_LENGTH],
+        )
 
 
 class _StudyView:
@@ -297,6 +335,9 @@ class KnowledgeSampler(BaseSampler):
         if "fixed_params" in trial.system_attrs:
             return {}  # counted in before_trial (its params may never ask the sampler)
         view = self._view(study)
+        ranked = self._ranked(view, trial, search_space)
+        if ranked is not None:
+            return self._first_free(study, trial, search_space, ranked)
         params = self.inner.sample_relative(view, trial, search_space)
         if not search_space or (params and set(params) != set(search_space)):
             if not params:
@@ -324,6 +365,44 @@ class KnowledgeSampler(BaseSampler):
 
     def _note(self, study: optuna.Study, trial: FrozenTrial, origin: str) -> None:
         note_origin(self.origins, study, trial, origin)
+
+    def _ranked(
+        self, view: optuna.Study, trial: FrozenTrial, space: dict[str, BaseDistribution]
+    ) -> list[dict[str, Any]] | None:
+        """Every configuration of a listed space in the model's order (its acquisition, one
+        fit), where the model ranks (GP) and its startup is over; else None. Shuffled first, so
+        that ties fall at random."""
+        rank = getattr(self.inner, "rank", None)
+        if rank is None or not space:
+            return None
+        values = [_values(d) for d in space.values()]
+        if any(v is None for v in values) or math.prod(len(v or ()) for v in values) > _RANKED:
+            return None
+        every = _free_list(space, set())
+        if not every:
+            return None
+        self._rng.shuffle(every)
+        return cast("list[dict[str, Any]] | None", rank(view, trial, space, every))
+
+    def _first_free(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        ranked: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The model's exact proposal over a listed space: its best configuration where nobody
+        holds it (``model``), else its best free one (``acquisition``), else (all held) its
+        best."""
+        held = _held(study, trial, space)
+        for i, params in enumerate(ranked):
+            if _key(params, space) not in held:
+                self._note(study, trial, "model" if i == 0 else "acquisition")
+                if i:
+                    store_relative(study, trial, params, cast(Any, self.inner).relative_key)
+                return params
+        self._note(study, trial, "model")
+        return ranked[0]
 
     def _best_free(
         self,
@@ -422,6 +501,11 @@ def _held(
 
 _DRAWS = 2_000
 _ENUMERABLE = 100_000
+_RANKED = 4_096
+"""The most configurations a listed space may have for the GP to rank them all (its acquisition
+evaluated on each: exact, and cheaper than Optuna's search of the space); a larger one is
+searched by Optuna, a held proposal replaced by its best of :attr:`KnowledgeSampler.candidates`
+free draws."""
 
 
 def note_origin(

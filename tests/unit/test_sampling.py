@@ -286,13 +286,85 @@ def test_tpe_replaces_a_held_proposal_by_its_best_free_configuration() -> None:
     assert mean_scored > mean_drawn + 0.5, (mean_scored, mean_drawn)
 
 
-def test_gp_replaces_a_held_proposal_by_its_best_free_configuration() -> None:
+def test_gp_proposes_its_best_free_configuration_on_a_listed_space() -> None:
     from optimizer.sampling import model_sampler
 
     sampler = model_sampler("gp", 0, 4)
     late = _late_mean(sampler, 24)
-    assert sampler.origins["acquisition"] > 0 and sampler.origins["random"] == 0
+    assert sampler.origins["random"] == 0 and sampler.origins["startup"] == 4
+    assert sampler.origins["model"] + sampler.origins["acquisition"] == 20
     assert late > -5.0, late  # uniform draws: -7
+
+
+def test_gp_ranks_every_configuration_of_a_listed_space_instead_of_searching_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a listed space the GP's acquisition is evaluated on each configuration (exact, one
+    # fit): Optuna's own search of the space (GPSampler._optimize_acqf) is never run. On a
+    # continuous space it is.
+    from optimizer.sampling import model_sampler
+
+    searched = []
+    real = optuna.samplers.GPSampler._optimize_acqf
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        searched.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.samplers.GPSampler, "_optimize_acqf", spy)
+    sampler = model_sampler("gp", 0, 4)
+    _bowl_study(sampler, 8)
+    assert searched == [] and sampler.origins["startup"] == 4
+    _with_baseline(model_sampler("gp", 0, 4), 6)  # x is a float: not listed
+    assert searched, "the continuous space was not searched by Optuna"
+
+
+class _FakeRanker(optuna.samplers.RandomSampler):
+    """A fake model (no GP): ranks the candidates by a fixed order of ``a``, its own
+    proposal always a = 0."""
+
+    relative_key = "gp:relative_params"
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return {"a": CategoricalDistribution([2, 0, 1, 3])}
+
+    def rank(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        space: dict[str, BaseDistribution],
+        candidates: list[dict[str, Any]],
+    ) -> list[dict[str, Any]] | None:
+        return sorted(candidates, key=lambda c: c["a"])
+
+
+def test_a_ranked_proposal_held_is_replaced_by_the_next_free_one_in_the_models_order() -> None:
+    from optimizer.sampling import ORIGIN_ATTR
+
+    sampler = KnowledgeSampler(_FakeRanker(seed=0), seed=0)
+    study = optuna.create_study(sampler=sampler, direction="maximize")
+    proposals = []
+    for _ in range(3):
+        t = study.ask()
+        proposals.append(t.suggest_categorical("a", [2, 0, 1, 3]))
+        study.tell(t, 0.0)
+    assert proposals == [0, 1, 2]  # the first is the model's; then its best free ones
+    origins = [t.system_attrs[ORIGIN_ATTR] for t in study.trials]
+    assert origins == ["model", "acquisition", "acquisition"]
+    assert study.trials[2].system_attrs["gp:relative_params:0"] == '{"a": 2}'
+
+
+def test_the_relative_proposal_keys_are_optunas() -> None:
+    # Parallel workers read a running trial's configuration under these keys: a renamed key
+    # in a new Optuna would leave them reading the held configuration first proposed.
+    from optuna.samplers._gp.sampler import _RELATIVE_PARAMS_KEY as GP
+    from optuna.samplers._tpe.sampler import _RELATIVE_PARAMS_KEY as TPE
+
+    from optimizer.sampling import _GP_KEY, _TPE_KEY
+
+    assert (_TPE_KEY, _GP_KEY) == (TPE, GP)
 
 
 def test_each_trial_records_where_its_configuration_came_from() -> None:
