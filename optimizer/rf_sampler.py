@@ -70,7 +70,7 @@ from optuna.search_space import intersection_search_space
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer.sampling import _RANKED, _free_list, _held, _key, _values, free_draw, note_origin
+from optimizer.sampling import _RANKED, _free_list, _held, _key, free_draw, note_origin
 
 if TYPE_CHECKING:
     from ConfigSpace import Configuration, ConfigurationSpace
@@ -355,10 +355,8 @@ def _facade(
 def _listed(space: dict[str, BaseDistribution]) -> list[Key] | None:
     """Every configuration of ``space`` (its keys) where it is listed and holds at most
     :data:`optimizer.sampling._RANKED` of them; else None."""
-    values = [_values(space[n]) for n in sorted(space)]
-    if any(v is None for v in values) or math.prod(len(v or ()) for v in values) > _RANKED:
-        return None
-    return [_key(params, space) for params in _free_list(space, set()) or ()]
+    every = _free_list(space, set(), limit=_RANKED)
+    return None if every is None else [_key(params, space) for params in every]
 
 
 def _listed_search(

@@ -375,10 +375,7 @@ class KnowledgeSampler(BaseSampler):
         rank = getattr(self.inner, "rank", None)
         if rank is None or not space:
             return None
-        values = [_values(d) for d in space.values()]
-        if any(v is None for v in values) or math.prod(len(v or ()) for v in values) > _RANKED:
-            return None
-        every = _free_list(space, set())
+        every = _free_list(space, set(), limit=_RANKED)
         if not every:
             return None
         self._rng.shuffle(every)
@@ -550,14 +547,14 @@ def _values(dist: BaseDistribution) -> list[Any] | None:
 
 
 def _free_list(
-    space: dict[str, BaseDistribution], held: set[tuple[Any, ...]]
+    space: dict[str, BaseDistribution], held: set[tuple[Any, ...]], limit: int = _ENUMERABLE
 ) -> list[dict[str, Any]] | None:
-    """Every configuration of ``space`` nobody holds (None: the space is continuous or too
-    large to list)."""
+    """Every configuration of ``space`` nobody holds (None: the space is continuous or has more
+    than ``limit`` configurations)."""
     names = sorted(space)
     values = [_values(space[n]) for n in names]
     lists = [v for v in values if v is not None]
-    if len(lists) < len(values) or math.prod(len(v) for v in lists) > _ENUMERABLE:
+    if len(lists) < len(values) or math.prod(len(v) for v in lists) > limit:
         return None
     free = []
     for combo in itertools.product(*lists):
