@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     print_found_at(table, runs)
     replication = replication_rows(table, runs, seed_sets)
     print_replication(table, replication)
-    diffs = differences(replication, pairs_for(list(runs)))
+    diffs = differences(replication, pairs_for(list(runs)), budget=ns.budget)
     print_differences(diffs)
     origins = origin_rows(runs)
     print_origins(origins)
@@ -926,25 +926,34 @@ PAIRS = (
 
 
 REFERENCE = "random-racing"  # every strategy is also compared with it (racing without a model)
+DEFAULT = "tpe-racing"  # and with the tuner's default (sampler.name's default, racing on)
 
 
 def pairs_for(strategies: Sequence[str]) -> list[tuple[str, str]]:
-    """:data:`PAIRS`, then every other strategy minus :data:`REFERENCE` (a pair of strategies
-    that did not both run gives no row)."""
+    """:data:`PAIRS`, then every other strategy minus :data:`REFERENCE`, then every other
+    model-based or guided one minus :data:`DEFAULT` (a pair of strategies that did not both run
+    gives no row)."""
     out = list(PAIRS)
     out += [(s, REFERENCE) for s in strategies if s != REFERENCE and (s, REFERENCE) not in out]
+    out += [
+        (s, DEFAULT)
+        for s in strategies
+        if s in MODEL_STRATEGIES and s != DEFAULT and (s, DEFAULT) not in out
+    ]
     return out
 
 
 def differences(
-    rows: list[dict[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS
+    rows: list[dict[str, Any]], pairs: Sequence[tuple[str, str]] = PAIRS, budget: float = 1.0
 ) -> list[dict[str, Any]]:
     """Per pair of strategies that both ran and seed set of :func:`replication_rows`: the first
-    minus the second, in points of the table's best at each fraction of the grid's time and in
-    req/s of the returned configuration's true mean, paired by seed (the strategies ran the same
-    seeds): the mean of the per-seed differences over the seeds both ran (``n``), with the 95 %
-    half-width of that mean from the per-seed differences' standard deviation and Student's t
-    quantile (n - 1 degrees of freedom; nan below 2 seeds). A difference inside it is not one
+    minus the second, in points of the table's best at each fraction of the grid's time, in
+    points of the grid's time to 95 % of the best (``to_95``; a seed that never reached it
+    counts as the whole budget, ``budget`` times the grid's time: a floor of its true time) and
+    in req/s of the returned configuration's true mean, paired by seed (the strategies ran the
+    same seeds): the mean of the per-seed differences over the seeds both ran (``n``), with the
+    95 % half-width of that mean from the per-seed differences' standard deviation and Student's
+    t quantile (n - 1 degrees of freedom; nan below 2 seeds). A difference inside it is not one
     this many seeds can tell from noise."""
     by = {(r["strategy"], r["seeds"]): r for r in rows}
     out = []
@@ -958,6 +967,11 @@ def differences(
             for key in [f"share_{round(f * 100)}" for f in FRACTIONS] + ["returned_rps"]:
                 per = [ra["per_seed"][s][key] - rb["per_seed"][s][key] for s in both]
                 d[key], d[f"{key}_ci"] = _paired_ci(per)
+            to_95 = [
+                min(ra["per_seed"][s]["to_95"], budget) - min(rb["per_seed"][s]["to_95"], budget)
+                for s in both
+            ]
+            d["to_95"], d["to_95_ci"] = _paired_ci(to_95)
             out.append(d)
     return out
 
@@ -984,15 +998,17 @@ def print_differences(diffs: list[dict[str, Any]]) -> None:
     print(
         "| difference | seeds | points of the best at "
         + " / ".join(str(p) for p in pcts)
-        + " % of the grid's time | returned config's true mean, req/s |"
+        + " % of the grid's time | time to 95 % of the best, points of the grid's time"
+        " | returned config's true mean, req/s |"
     )
-    print("|---|---|---|---:|")
+    print("|---|---|---|---:|---:|")
     for d in diffs:
         points = " / ".join(
             f"{100 * d[f'share_{p}']:+.1f} ± {100 * d[f'share_{p}_ci']:.1f}" for p in pcts
         )
         print(
             f"| {d['pair']} | {d['seeds']} | {points} "
+            f"| {100 * d['to_95']:+.1f} ± {100 * d['to_95_ci']:.1f} "
             f"| {d['returned_rps']:+.1f} ± {d['returned_rps_ci']:.1f} |"
         )
 

@@ -499,9 +499,38 @@ def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
     assert pairs.count(("tpe-racing", "random-racing")) == 1
     assert ("guided", "random-racing") in pairs and ("gp-racing", "random-racing") in pairs
     assert ("random-racing", "random-racing") not in pairs
+    assert ("guided", "tpe-racing") in pairs and ("gp-racing", "tpe-racing") in pairs
+    assert ("random-racing", "tpe-racing") not in pairs  # no model: against the reference only
     rows = replication_rows(table, {"guided": runs, "random-racing": runs}, {"0-3": range(4)})
     (d,) = differences(rows, pairs)
     assert d["pair"] == "guided - random-racing" and d["returned_rps"] == 0.0
+    assert d["to_95"] == 0.0 and d["to_95_ci"] == 0.0
+
+
+def test_the_time_to_95_is_paired_with_an_unreached_seed_at_the_budget() -> None:
+    from benchmarks.search_efficiency import differences, replication_rows
+    from benchmarks.search_table import Run
+
+    table = tiny_table(6)
+    full = table.full_grid_s()
+    best, other = table.key({"x": 5}), table.key({"x": 0})
+    # a reaches 95 % of the best at 0.1, 0.2, 0.3 of the grid's time; b at 0.4 and 0.5, and its
+    # third seed never (counted as the budget's end: 1.5 grids here).
+    a = [
+        Run(curve=[(0.1 * full * (s + 1), table.truth[best])], curve_keys=[best], seed=s)
+        for s in range(3)
+    ]
+    b = [
+        Run(curve=[(0.1 * full * (s + 4), table.truth[best])], curve_keys=[best], seed=s)
+        for s in range(2)
+    ]
+    b.append(Run(curve=[(1.0, table.truth[other])], curve_keys=[other], seed=2))
+    rows = replication_rows(table, {"a": a, "b": b}, {"0-2": range(3)})
+    (d,) = differences(rows, [("a", "b")], budget=1.5)
+    per = [0.1 - 0.4, 0.2 - 0.5, 0.3 - 1.5]
+    assert d["to_95"] == pytest.approx(statistics.fmean(per))
+    half = 4.302652729911275 * statistics.stdev(per) / math.sqrt(3)  # t(0.975, 2 df)
+    assert d["to_95_ci"] == pytest.approx(half)
 
 
 def test_a_refused_label_is_told_zero_at_no_cost_and_counted() -> None:
