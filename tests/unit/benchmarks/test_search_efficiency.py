@@ -507,6 +507,16 @@ def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
     assert d["to_95"] == 0.0 and d["to_95_ci"] == 0.0
 
 
+def test_the_default_strategy_is_the_tuners_default() -> None:
+    # Every model strategy is also compared with DEFAULT: it must stay the tuner's own default
+    # (sampler.name's default, racing on), or the comparison names the wrong one.
+    from benchmarks.search_efficiency import DEFAULT, RACING, STRATEGIES
+    from optimizer.config import CapacitySection, SamplerSection
+
+    assert DEFAULT in STRATEGIES and DEFAULT in RACING and CapacitySection().racing
+    assert f"{SamplerSection().name}-racing" == DEFAULT
+
+
 def test_the_time_to_95_is_paired_with_an_unreached_seed_at_the_budget() -> None:
     from benchmarks.search_efficiency import differences, replication_rows
     from benchmarks.search_table import Run
