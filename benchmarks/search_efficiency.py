@@ -15,7 +15,8 @@ reads. What a strategy "has found" (returns) after t hours
 is the configuration with its best told capacity; its quality is that configuration's mean over
 the table's repeats (the truth), as a share of the table's best mean.
 
-Strategies: ``tpe-racing`` (TPE with racing at the incumbent, the default), ``random-racing``
+Strategies: ``rf-racing`` (SMAC's random forest, :class:`optimizer.rf_sampler.RFSampler`, with
+racing at the incumbent: the tuner's default), ``tpe-racing`` (TPE, racing), ``random-racing``
 (Optuna's random sampler through the same path, racing included: what racing gives without a
 model), ``tpe2-racing`` (TPE after 2 random startup trials, not 4), ``gp-racing`` (GP, racing),
 ``guided`` (:class:`optimizer.guided.GuidedSampler`: the guide's one-parameter moves from the
@@ -200,7 +201,7 @@ def _sampler(
         cap = 4 if name == "tpe-guided" else None
         fallback = model_sampler("tpe", seed, 4)
         return GuidedSampler(space, fallback, max_guided=cap, symptom=_told_symptom)
-    if name == "rf-racing":  # SMAC's random forest (optimizer.rf_sampler; the `rf` extra)
+    if name == "rf-racing":  # SMAC's random forest (optimizer.rf_sampler), as the tuner's default
         from optimizer.rf_sampler import RFSampler
 
         return RFSampler(seed=seed, n_startup_trials=4)
@@ -926,7 +927,7 @@ PAIRS = (
 
 
 REFERENCE = "random-racing"  # every strategy is also compared with it (racing without a model)
-DEFAULT = "tpe-racing"  # and with the tuner's default (sampler.name's default, racing on)
+DEFAULT = "rf-racing"  # and with the tuner's default (sampler.name's default, racing on)
 
 
 def pairs_for(strategies: Sequence[str]) -> list[tuple[str, str]]:

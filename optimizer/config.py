@@ -353,18 +353,19 @@ class StabilitySection(_Strict):
 
 
 class SamplerSection(_Strict):
-    """The Optuna sampler: multi-objective TPE by default, GP selectable, random for comparison,
-    grid to measure every configuration of a space whose params are all enumerable (a
-    categorical param's choices, a numeric param's steps) once, in an order the seed shuffles;
-    ``guided``: the tuning guide's moves from the baseline (optimizer.guided), then TPE;
-    ``auto``: grid where the trial budget covers the space, else TPE; ``rf``: SMAC3's
-    random-forest surrogate (optimizer.rf_sampler, the ``rf`` extra)."""
+    """The Optuna sampler: by default ``rf``, SMAC3's random-forest surrogate
+    (optimizer.rf_sampler; several objectives by ParEGO), the best measured search
+    (benchmarks/RESULTS.md, "Search strategies"); ``tpe``: Optuna's multi-objective TPE; ``gp``;
+    ``random`` for comparison; ``grid`` to measure every configuration of a space whose params are
+    all enumerable (a categorical param's choices, a numeric param's steps) once, in an order the
+    seed shuffles; ``guided``: the tuning guide's moves from the baseline (optimizer.guided),
+    then TPE; ``auto``: grid where the trial budget covers the space, else ``rf``."""
 
-    name: Literal["tpe", "gp", "rf", "random", "grid", "guided", "auto"] = "tpe"
+    name: Literal["tpe", "gp", "rf", "random", "grid", "guided", "auto"] = "rf"
     seed: int | None = 0
     n_startup_trials: int = Field(default=4, ge=0)
-    # TPE's and GP's first n_startup_trials: random draws, or the tuning guide's moves from the
-    # baseline (optimizer.guided). "guided" as the name: the guide until it is done, then TPE.
+    # A model's (rf, TPE, GP) first n_startup_trials: random draws, or the tuning guide's moves
+    # from the baseline (optimizer.guided). "guided" as the name: the guide until done, then TPE.
     startup: Literal["random", "guided"] = "random"
 
 

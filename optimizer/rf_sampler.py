@@ -1,8 +1,9 @@
 """SMAC3's random-forest Bayesian optimisation as an Optuna sampler (:class:`RFSampler`).
 
-Optional: ``pip install 'vllm-autotune[rf]'`` (``smac==2.4.1``, BSD-3; its forest is
-scikit-learn's). SMAC is imported here alone, inside the functions that use it, so the tuner
-imports without it.
+The tuner's default sampler (``sampler.name: rf``; the verdict in benchmarks/RESULTS.md,
+"Search strategies"). ``smac==2.4.1`` (BSD-3; its forest is scikit-learn's) is a dependency;
+it is imported here alone, inside the functions that use it, so a job that names another
+sampler runs where SMAC is not installed (the GPU machine's staged wheels).
 
 The sampler keeps no knowledge between proposals: each proposal rebuilds SMAC's from the study,
 so a study resumed in a new process, or shared by several drivers, continues as one would.
@@ -11,6 +12,10 @@ so a study resumed in a new process, or shared by several drivers, continues as 
   that set a param (the param-less baseline is no point of the space), single-valued ones left
   out, as Optuna's GP sampler. Categorical choices go to SMAC as indices, a stepped int or
   float as the index of its step; ints and floats keep their log scale.
+- A warm start's prior trials (``priors``: earlier studies' told trials rebuilt on this space,
+  :func:`optimizer.warm_start.prior_trials`) are observations like the study's own: they count
+  toward the startup below and toward the space, but are never held (the study may measure
+  them here), as :class:`optimizer.sampling.KnowledgeSampler` gives them to TPE and GP.
 - Before ``n_startup_trials`` measured trials (complete or pruned) on that space, it proposes
   nothing itself: Optuna's random draws (``startup``), over the configurations no other trial
   holds once one is held.
@@ -101,9 +106,19 @@ class RFSampler(BaseSampler):
     Args:
         seed: Seeds Optuna's random draws and SMAC (with each trial's number); None: random.
         n_startup_trials: Measured trials on the search space before SMAC proposes.
+        priors: Finished trials of earlier studies on this search space, numbered -1
+            (:func:`optimizer.warm_start.prior_trials`).
     """
 
-    def __init__(self, seed: int | None = None, n_startup_trials: int = 4) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        n_startup_trials: int = 4,
+        priors: Sequence[FrozenTrial] = (),
+    ) -> None:
+        if any(t.number >= 0 for t in priors):
+            raise ValueError("prior trials need numbers below zero (-1: see warm_start._prior)")
+        self.priors = tuple(priors)
         self._seed = seed
         self._n_startup_trials = n_startup_trials
         self._rng = random.Random(seed)
@@ -115,7 +130,8 @@ class RFSampler(BaseSampler):
         self, study: optuna.Study, trial: FrozenTrial
     ) -> dict[str, BaseDistribution]:
         states = (TrialState.COMPLETE, TrialState.PRUNED)
-        finished = [t for t in study._get_trials(deepcopy=False, states=states) if t.params]
+        own = study._get_trials(deepcopy=False, states=states)
+        finished = [*self.priors, *(t for t in own if t.params)]
         space = intersection_search_space(finished, include_pruned=True)
         return {name: dist for name, dist in space.items() if not dist.single()}
 
@@ -132,7 +148,7 @@ class RFSampler(BaseSampler):
             return {}
         trials = study._get_trials(deepcopy=False, use_cache=False)
         held = _held(study, trial, search_space)
-        told = _told(trials, search_space)
+        told = _told([*self.priors, *trials], search_space)
         measured = [t for t in told if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         if len(measured) < self._n_startup_trials:
             self._note(study, trial, "startup")

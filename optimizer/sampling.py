@@ -71,9 +71,9 @@ __all__ = [
     "note_origin",
 ]
 
-MODEL_SAMPLERS = ("tpe", "gp", "guided")
+MODEL_SAMPLERS = ("tpe", "gp", "rf", "guided")
 """Samplers that learn from trials (and so from a warm start's priors; ``guided`` hands over to
-TPE)."""
+TPE; ``rf`` is :class:`optimizer.rf_sampler.RFSampler`, which takes them itself)."""
 
 ORIGIN_ATTR = "vllm_autotune:origin"
 """The trial system attr that says where its configuration came from (one of :data:`ORIGINS`)."""
@@ -112,7 +112,7 @@ def model_sampler(
                 n_startup_trials=n_startup_trials,
             )
     else:
-        raise ValueError(f"{name!r} is not one of {MODEL_SAMPLERS}")
+        raise ValueError(f"{name!r} is not 'tpe' or 'gp'")
     return KnowledgeSampler(inner, priors, seed=seed)
 
 

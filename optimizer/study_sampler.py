@@ -37,11 +37,13 @@ def job_sampler(
     priors: tuple[FrozenTrial, ...] = (),
 ) -> optuna.samplers.BaseSampler:
     """The job's sampler; ``resumed_at``: trials the study already holds; ``priors``: a warm
-    start's prior observations (TPE and GP only).
+    start's prior observations (the model-based samplers: the forest, TPE, GP).
 
-    TPE and GP are wrapped in :class:`~optimizer.sampling.KnowledgeSampler`: they learn from the
-    trials that chose a configuration (not the param-less baseline) and from ``priors``, and
-    propose no configuration the study holds while one is free.
+    TPE and GP are wrapped in :class:`~optimizer.sampling.KnowledgeSampler`, and the forest
+    (:class:`~optimizer.rf_sampler.RFSampler`) does the same itself: they learn from the trials
+    that chose a configuration (not the param-less baseline) and from ``priors``, and propose no
+    configuration the study holds while one is free. ``startup: guided`` puts the guide's moves
+    ahead of any of them.
 
     The grid sampler skips the grid points the study's trials already measured, so a resumed
     grid study goes on where it stopped.
@@ -57,11 +59,14 @@ def job_sampler(
         return optuna.samplers.RandomSampler(seed=seed)
     if s.name == "grid":
         return StudyGridSampler(space.grid(), seed=s.seed)
+    model: optuna.samplers.BaseSampler
     if s.name == "rf":
-        from optimizer.rf_sampler import RFSampler  # SMAC3: the `rf` extra
+        from optimizer.rf_sampler import RFSampler  # SMAC3, imported only where it is asked for
 
-        return RFSampler(seed=seed, n_startup_trials=s.n_startup_trials)
-    model = model_sampler("tpe" if s.name == "guided" else s.name, seed, s.n_startup_trials, priors)
+        model = RFSampler(seed=seed, n_startup_trials=s.n_startup_trials, priors=priors)
+    else:
+        name = "tpe" if s.name == "guided" else s.name
+        model = model_sampler(name, seed, s.n_startup_trials, priors)
     if s.name == "guided" or s.startup == "guided":
         cap = None if s.name == "guided" else s.n_startup_trials
         return GuidedSampler(space_distributions(space), model, max_guided=cap)
@@ -70,13 +75,13 @@ def job_sampler(
 
 def auto_sampler(job: JobConfig, space: SearchSpace) -> str:
     """The sampler ``auto`` picks by size: ``grid`` where the trial budget covers every
-    configuration of the space (the baseline besides), else TPE (a model that proposes its best
-    free configuration; benchmarks/RESULTS.md has the measured comparison)."""
+    configuration of the space (the baseline besides), else the random forest (``rf``: the
+    measured best; benchmarks/RESULTS.md, "Search strategies")."""
     try:
         points = math.prod(len(v) for v in space.grid().values())
     except SearchSpaceError:
-        return "tpe"  # continuous, conditional or too large to list
-    return "grid" if job.trials is not None and job.trials >= points + 1 else "tpe"
+        return "rf"  # continuous, conditional or too large to list
+    return "grid" if job.trials is not None and job.trials >= points + 1 else "rf"
 
 
 def space_distributions(space: SearchSpace) -> dict[str, BaseDistribution]:

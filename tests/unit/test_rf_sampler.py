@@ -7,7 +7,6 @@ a duplicate) and tells the fake's values and constraints.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import subprocess
@@ -39,10 +38,6 @@ from optimizer.rf_sampler import (
 from optimizer.sampling import ORIGIN_ATTR, _key
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
-
-needs_smac = pytest.mark.skipif(
-    importlib.util.find_spec("smac") is None, reason="the rf extra (smac) is not installed"
-)
 
 Params = dict[str, Any]
 Space = dict[str, BaseDistribution]
@@ -124,7 +119,6 @@ def test_observations_read_constraints_in_both_forms_and_skip_refused_duplicates
 # -- with SMAC -----------------------------------------------------------------------------
 
 
-@needs_smac
 def test_every_kind_of_param_goes_to_smac_and_back() -> None:
     from ConfigSpace import Configuration
 
@@ -154,7 +148,6 @@ def test_every_kind_of_param_goes_to_smac_and_back() -> None:
         assert all(space[n]._contains(space[n].to_internal_repr(v)) for n, v in back.items())
 
 
-@needs_smac
 def test_it_finds_a_categorical_bowls_optimum_more_often_than_random() -> None:
     space: Space = {k: CategoricalDistribution([0, 1, 2, 3]) for k in "abc"}  # 64
     optimum = {"a": 1, "b": 3, "c": 2}
@@ -172,7 +165,43 @@ def test_it_finds_a_categorical_bowls_optimum_more_often_than_random() -> None:
     assert rf > rnd, (rf, rnd)
 
 
-@needs_smac
+def test_a_warm_starts_priors_are_observations_that_lead_the_first_proposal() -> None:
+    space: Space = {k: CategoricalDistribution([0, 1, 2, 3]) for k in "abc"}  # 64
+    optimum = {"a": 1, "b": 3, "c": 2}
+
+    def fake_bowl(p: Params) -> float:
+        return float(sum((p[k] - optimum[k]) ** 2 for k in space))
+
+    rng = np.random.default_rng(0)
+    priors = []
+    while len(priors) < 20:  # none near the optimum: 3 or worse
+        params = {k: int(rng.integers(4)) for k in space}
+        if fake_bowl(params) < 3:
+            continue
+        prior = optuna.trial.create_trial(
+            params=params, distributions=dict(space), value=fake_bowl(params)
+        )
+        prior.number = -1
+        priors.append(prior)
+    numbered = optuna.trial.create_trial(params={}, distributions={}, value=0.0)
+    numbered.number = 0  # a trial of a study, not a prior
+    with pytest.raises(ValueError, match="numbers below zero"):
+        RFSampler(priors=[numbered])
+
+    def first(sampler: RFSampler) -> tuple[float, str | None]:
+        study = optuna.create_study(sampler=sampler)
+        (params,) = _fake_drive(study, space, fake_bowl, 1)
+        return fake_bowl(params), _origins(study)[0]
+
+    warm = [first(RFSampler(seed=s, priors=priors)) for s in range(8)]
+    cold = [first(RFSampler(seed=s)) for s in range(8)]
+    # With 20 priors (past the 4 startup trials) the forest proposes at once, from what they
+    # told it, better than every prior on average; without them the first trial is a startup
+    # draw (a uniform one's mean on this bowl: 6.5).
+    assert [o for _, o in warm] == ["model"] * 8 and [o for _, o in cold] == ["startup"] * 8
+    assert np.mean([v for v, _ in warm]) < 3 < np.mean([v for v, _ in cold]), (warm, cold)
+
+
 def test_the_same_seed_proposes_the_same_configurations() -> None:
     def fake(p: Params) -> float:
         return float(p["a"] + 2 * p["b"] - p["c"])
@@ -185,7 +214,6 @@ def test_the_same_seed_proposes_the_same_configurations() -> None:
     assert _origins(study) == ["startup"] * 4 + ["model"] * 4
 
 
-@needs_smac
 def test_a_seed_repeats_in_another_process() -> None:
     """SMAC's local search orders its starting points by string hashes, new in each process
     unless PYTHONHASHSEED is set; the sampler puts them in their own order. (A float param: a
@@ -216,7 +244,6 @@ def test_a_seed_repeats_in_another_process() -> None:
     assert out[0] == out[1]
 
 
-@needs_smac
 def test_a_listed_space_is_scored_whole_and_never_searched(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a listed space SMAC's acquisition is evaluated on every configuration (ListedSearch),
     and its local and random search never runs; on a space with a float it does."""
@@ -250,7 +277,6 @@ def test_a_listed_space_is_scored_whole_and_never_searched(monkeypatch: pytest.M
     assert searched and scored == [27] * 4
 
 
-@needs_smac
 def test_a_resumed_study_proposes_no_held_configuration() -> None:
     """A new process: a fresh sampler (same seed, so Optuna's random draws repeat) on the
     stored study, during the startup and after, one trial of the first driver still running."""
@@ -272,7 +298,6 @@ def test_a_resumed_study_proposes_no_held_configuration() -> None:
     assert sampler.origins == {"startup": 2, "model": 12}
 
 
-@needs_smac
 def test_the_constrained_optimum_is_found_though_infeasible_values_are_better() -> None:
     """Better the larger a, but a >= 4 breaks the SLO (a third of the space): the penalty keeps
     the infeasible region's better values from leading SMAC, which finds a = 3 at b = 5.
@@ -295,7 +320,6 @@ def test_the_constrained_optimum_is_found_though_infeasible_values_are_better() 
     assert study.best_trials[0].params == {"a": 3, "b": 5}  # best_trials: the feasible ones
 
 
-@needs_smac
 def test_two_objectives_run_by_parego() -> None:
     space: Space = {"a": CategoricalDistribution([1, 2, 4, 8]), "b": FloatDistribution(0, 1)}
 
@@ -310,7 +334,6 @@ def test_two_objectives_run_by_parego() -> None:
     assert study.best_trials
 
 
-@needs_smac
 def test_an_exhausted_space_ends_with_every_configuration_measured_once() -> None:
     def fake(p: Params) -> float:
         return float(p["a"] * 9 + p["b"] * 3 + p["c"])
@@ -324,7 +347,6 @@ def test_an_exhausted_space_ends_with_every_configuration_measured_once() -> Non
     assert sum(sampler.origins.values()) == 30
 
 
-@needs_smac
 def test_smac_leaves_no_files_and_the_logging_alone(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:

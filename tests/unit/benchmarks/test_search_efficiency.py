@@ -495,12 +495,14 @@ def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
     assert row["reached_95"] == 3 and row["per_seed"][3]["to_95"] == math.inf
     assert row["to_95"] == pytest.approx(0.25)  # 0.1, 0.2, 0.3, inf: between 0.2 and 0.3
     assert row["to_95_q25"] == pytest.approx(0.175) and row["to_95_q75"] == math.inf
-    pairs = pairs_for(["tpe-racing", "random-racing", "guided", "gp-racing"])
+    pairs = pairs_for(["tpe-racing", "random-racing", "guided", "gp-racing", "rf-racing"])
     assert pairs.count(("tpe-racing", "random-racing")) == 1
     assert ("guided", "random-racing") in pairs and ("gp-racing", "random-racing") in pairs
     assert ("random-racing", "random-racing") not in pairs
-    assert ("guided", "tpe-racing") in pairs and ("gp-racing", "tpe-racing") in pairs
-    assert ("random-racing", "tpe-racing") not in pairs  # no model: against the reference only
+    # Every model against the default (the forest with racing), the default not against itself.
+    assert ("guided", "rf-racing") in pairs and ("tpe-racing", "rf-racing") in pairs
+    assert ("rf-racing", "rf-racing") not in pairs
+    assert ("random-racing", "rf-racing") not in pairs  # no model: against the reference only
     rows = replication_rows(table, {"guided": runs, "random-racing": runs}, {"0-3": range(4)})
     (d,) = differences(rows, pairs)
     assert d["pair"] == "guided - random-racing" and d["returned_rps"] == 0.0
