@@ -34,6 +34,7 @@ from optimizer.engine.defaults import (
 from optimizer.engine.stack import cpu_bf16_note, gpu_facts
 from optimizer.errors import ConfigError
 from optimizer.sampling import MODEL_SAMPLERS
+from optimizer.study_sampler import auto_sampler
 from optimizer.types import EngineConfig, Trace, TrialSpec
 from optimizer.warm_start import Priors, WarmStart, prior_trials, warm_start_configs
 from search_spaces import ConstraintContext, SearchSpace, check_constraints, load_space
@@ -382,15 +383,16 @@ def _with_warm_start(
 
 
 def _priors(job: JobConfig, base: Path, space: SearchSpace, objectives: ObjectiveSet) -> Priors:
-    """The warm start's prior observations for a sampler that learns from them (TPE, GP)."""
+    """The warm start's prior observations for a sampler that learns from them (the forest, TPE,
+    GP; ``auto`` as what it picks for this space and budget)."""
     ws = job.warm_start
     if ws is None or not ws.priors:
         return Priors()
-    if job.sampler.name not in MODEL_SAMPLERS:
+    name = auto_sampler(job, space) if job.sampler.name == "auto" else job.sampler.name
+    if name not in MODEL_SAMPLERS:
         return Priors(
             notes=(
-                f"warm start: no prior trials given: the {job.sampler.name} sampler does not "
-                "learn from trials",
+                f"warm start: no prior trials given: the {name} sampler does not learn from trials",
             )
         )
     pairs = [

@@ -667,6 +667,9 @@ def test_warm_start_priors_only_from_studies_with_the_same_objectives(tmp_path: 
     off = warm_driver("d", warm_start={**warm, "priors": False})
     assert off.plan.priors.trials == () and len(off.plan.warm_start) == 1
     assert len(warm_driver("f").plan.priors.trials) == 5
+    # The forest learns from them too, and auto as the model it picks past the grid's size.
+    assert len(warm_driver("g", sampler={"name": "rf", "seed": 0}).plan.priors.trials) == 5
+    assert len(warm_driver("h", sampler={"name": "auto", "seed": 0}).plan.priors.trials) == 5
 
 
 def test_the_random_forest_learns_from_a_warm_starts_priors(tmp_path: Path) -> None:
