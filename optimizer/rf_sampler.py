@@ -14,8 +14,9 @@ so a study resumed in a new process, or shared by several drivers, continues as 
   float as the index of its step; ints and floats keep their log scale.
 - A warm start's prior trials (``priors``: earlier studies' told trials rebuilt on this space,
   :func:`optimizer.warm_start.prior_trials`) are observations like the study's own: they count
-  toward the startup below and toward the space, but are never held (the study may measure
-  them here), as :class:`optimizer.sampling.KnowledgeSampler` gives them to TPE and GP.
+  toward the startup below and toward the space, as :class:`optimizer.sampling.KnowledgeSampler`
+  gives them to TPE and GP. They are not held: the warm start's best are measured here
+  (enqueued), but SMAC proposes no configuration it has observed, a prior's included.
 - Before ``n_startup_trials`` measured trials (complete or pruned) on that space, it proposes
   nothing itself: Optuna's random draws (``startup``), over the configurations no other trial
   holds once one is held.
