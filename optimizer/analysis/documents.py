@@ -14,6 +14,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer.analysis.diagnosis import diagnose
 from optimizer.analysis.front import trial_class
 from optimizer.analysis.trial_cost import study_cost
+from optimizer.config import SamplerSection
 from optimizer.quality.levers import numeric_changes
 from optimizer.trial_view import TrialView, baseline_of, metric_names, quality_verdicts
 from search_spaces.speculation import stated_acceptance
@@ -82,7 +83,8 @@ def warm_start_section(study: optuna.Study, plan: dict[str, Any]) -> list[str]:
 
 def _priors_line(plan: dict[str, Any], priors: dict[str, Any]) -> str:
     """What the sampler was given from the earlier studies, in words."""
-    sampler = ((plan.get("job") or {}).get("sampler") or {}).get("name", "tpe")
+    default = SamplerSection().name  # a plan written without the name: the default's
+    sampler = ((plan.get("job") or {}).get("sampler") or {}).get("name", default)
     given = int(priors.get("trials") or 0)
     per = priors.get("per_study") or {}
     text = (

@@ -641,6 +641,11 @@ def test_warm_start_enqueues_the_best_of_an_earlier_study_after_the_baseline(
         assert set(prior.distributions) == set(prior.params) and prior.number < 0
     assert all(t.number >= 0 for t in study.get_trials())
     assert "The tpe sampler was given 5 told trials" in section
+    # A plan that does not name its sampler ran the default: the line names that one.
+    from optimizer.analysis.documents import _priors_line
+
+    unnamed = {"job": {"sampler": {"seed": 1}}}
+    assert _priors_line(unnamed, plan["warm_start_priors"]).startswith("The rf sampler was given 5")
 
 
 def test_warm_start_priors_only_from_studies_with_the_same_objectives(tmp_path: Path) -> None:
