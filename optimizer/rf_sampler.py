@@ -76,7 +76,15 @@ from optuna.search_space import intersection_search_space
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer.sampling import _RANKED, _free_list, _held, _key, free_draw, note_origin
+from optimizer.sampling import (
+    _RANKED,
+    _free_list,
+    _held,
+    _key,
+    as_priors,
+    free_draw,
+    note_origin,
+)
 
 if TYPE_CHECKING:
     from ConfigSpace import Configuration, ConfigurationSpace
@@ -117,9 +125,7 @@ class RFSampler(BaseSampler):
         n_startup_trials: int = 4,
         priors: Sequence[FrozenTrial] = (),
     ) -> None:
-        if any(t.number >= 0 for t in priors):
-            raise ValueError("prior trials need numbers below zero (-1: see warm_start._prior)")
-        self.priors = tuple(priors)
+        self.priors = as_priors(priors)
         self._seed = seed
         self._n_startup_trials = n_startup_trials
         self._rng = random.Random(seed)

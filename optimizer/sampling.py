@@ -66,6 +66,7 @@ __all__ = [
     "ORIGINS",
     "ORIGIN_ATTR",
     "KnowledgeSampler",
+    "as_priors",
     "free_draw",
     "model_sampler",
     "note_origin",
@@ -289,6 +290,15 @@ class _StudyView:
         return [*priors, *kept]
 
 
+def as_priors(priors: Sequence[FrozenTrial]) -> tuple[FrozenTrial, ...]:
+    """A warm start's prior trials as a model-based sampler keeps them (this module's
+    :class:`KnowledgeSampler`, :class:`optimizer.rf_sampler.RFSampler`): numbered below zero, so
+    they never meet a trial of the study (ValueError otherwise)."""
+    if any(t.number >= 0 for t in priors):
+        raise ValueError("prior trials need numbers below zero (-1: see warm_start._prior)")
+    return tuple(priors)
+
+
 class KnowledgeSampler(BaseSampler):
     """Optuna's ``inner`` sampler, shown the study without param-less trials and with
     ``priors`` before its own trials (see the module docstring).
@@ -304,10 +314,8 @@ class KnowledgeSampler(BaseSampler):
     def __init__(
         self, inner: BaseSampler, priors: Sequence[FrozenTrial] = (), seed: int | None = None
     ) -> None:
-        if any(t.number >= 0 for t in priors):
-            raise ValueError("prior trials need numbers below zero (-1: see warm_start._prior)")
         self.inner = inner
-        self.priors = tuple(priors)
+        self.priors = as_priors(priors)
         self._rng = random.Random(seed)
         self._random = optuna.samplers.RandomSampler(seed=seed)
         self.origins: Counter[str] = Counter()
