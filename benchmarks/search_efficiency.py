@@ -21,7 +21,9 @@ racing at the incumbent: the tuner's default), ``tpe-racing`` (TPE, racing), ``r
 model), ``tpe2-racing`` (TPE after 2 random startup trials, not 4), ``gp-racing`` (GP, racing),
 ``guided`` (:class:`optimizer.guided.GuidedSampler`: the guide's one-parameter moves from the
 incumbent by its symptom while it has one, TPE otherwise; racing), ``tpe-guided`` (TPE whose 4
-startup trials are the guide's moves, a job's ``sampler.startup: guided``; racing), ``tpe``
+startup trials are the guide's moves, a job's ``sampler.startup: guided``; racing),
+``rf-guided`` (the same with the forest behind the guide: the default sampler with ``startup:
+guided``; racing), ``tpe``
 (without racing), ``gp``, ``random``, ``grid`` (every point once, in a random order),
 ``one-at-a-time`` (the tuning guide by hand: memory, then max-num-seqs, then the batched-token
 budget, then prefix caching, each value tried with the others fixed at the best so far;
@@ -104,6 +106,7 @@ STRATEGIES = (
     "rf-racing",
     "guided",
     "tpe-guided",
+    "rf-guided",
     "tpe",
     "gp",
     "random",
@@ -111,7 +114,8 @@ STRATEGIES = (
     "one-at-a-time",
 )
 WARM = "tpe-warm"
-GUIDED = ("guided", "tpe-guided")  # optimizer.guided.GuidedSampler in front of TPE
+# optimizer.guided.GuidedSampler in front of TPE (of the forest: rf-guided)
+GUIDED = ("guided", "tpe-guided", "rf-guided")
 # The strategies that race the incumbent.
 RACING = ("tpe-racing", "random-racing", "tpe2-racing", "gp-racing", "rf-racing", *GUIDED, WARM)
 # Proposals of a model (KnowledgeSampler) or of the guide: counted by their origin.
@@ -196,18 +200,22 @@ def _sampler(
         return model_sampler("tpe", seed, 2)
     if name in ("gp", "gp-racing"):
         return model_sampler("gp", seed, 4)
-    if name in GUIDED:
+    if name in GUIDED:  # as optimizer.study_sampler.job_sampler wraps a model
         space = {k: CategoricalDistribution(v) for k, v in table.grid.items()}
-        cap = 4 if name == "tpe-guided" else None
-        fallback = model_sampler("tpe", seed, 4)
+        cap = None if name == "guided" else 4
+        fallback = _rf(seed) if name == "rf-guided" else model_sampler("tpe", seed, 4)
         return GuidedSampler(space, fallback, max_guided=cap, symptom=_told_symptom)
     if name == "rf-racing":  # SMAC's random forest (optimizer.rf_sampler), as the tuner's default
-        from optimizer.rf_sampler import RFSampler
-
-        return RFSampler(seed=seed, n_startup_trials=4)
+        return _rf(seed)
     if name in ("random", "random-racing"):
         return optuna.samplers.RandomSampler(seed=seed)
     raise SystemExit(f"unknown strategy {name!r}: one of {', '.join((*STRATEGIES, WARM))}")
+
+
+def _rf(seed: int) -> optuna.samplers.BaseSampler:
+    from optimizer.rf_sampler import RFSampler
+
+    return RFSampler(seed=seed, n_startup_trials=4)
 
 
 def _told_symptom(trial: optuna.trial.FrozenTrial) -> str | None:

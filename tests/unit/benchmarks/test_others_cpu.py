@@ -36,3 +36,44 @@ def test_the_study_is_its_driver_its_engine_guards_and_their_descendants() -> No
         (40, 1, ["/x/vllm-autotune/.venv/bin/python", "-m", "pytest"]),
     ]
     assert study_pids(10, table) == {10, 11, 20, 21, 22, 23}
+
+
+def test_watch_counts_other_processes_cpu_not_the_studys_and_ends_with_the_driver(
+    tmp_path,
+) -> None:
+    """Real processes: a driver whose child spins (the study's: not counted), and an outside
+    process that spins (counted); the monitor stops when the driver ends."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from benchmarks.others_cpu import watch
+
+    spin = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass\n"
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin.format(s=2.5)!r}])",
+        ]
+    )
+    log = tmp_path / "others.log"
+    outsider = None
+    try:
+        threading.Thread(target=driver.wait, daemon=True).start()  # reaped as it ends
+        time.sleep(0.3)  # the driver's child has started
+        outsider = subprocess.Popen([sys.executable, "-c", spin.format(s=1.2)])
+        watch(driver.pid, log, interval_s=0.5)
+        assert driver.poll() is not None  # watch returned: the driver had ended
+    finally:
+        for p in (driver, outsider):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    samples = read_log(log.read_text().splitlines())
+    assert len(samples) >= 3
+    # The outsider's second of spinning shows; the study's child spins throughout, and the
+    # samples after the outsider ended stay well under one core (counted, it would be ~100).
+    assert max(v for _t, v in samples) >= 50
+    assert min(v for _t, v in samples[-2:]) < 60

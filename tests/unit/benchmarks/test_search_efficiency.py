@@ -472,6 +472,20 @@ def test_tpe_guided_takes_its_startup_trials_from_the_guide_and_tpe2_starts_with
         assert run.trials == len(table.configs) and run.losing_trial_s
 
 
+def test_rf_guided_puts_the_guides_moves_ahead_of_the_forest() -> None:
+    from benchmarks.search_efficiency import MODEL_STRATEGIES, STRATEGIES, run_sampler
+
+    assert "rf-guided" in STRATEGIES and "rf-guided" in MODEL_STRATEGIES
+    table = fake_guide_table("tpot_prefill_interference")
+    run = run_sampler("rf-guided", table, SETTINGS, seed=1, budget_s=math.inf)
+    # As a job's `sampler: {name: rf, startup: guided}`: the guide's first moves (at most 4)
+    # stand for the forest's random startup trials, then the forest proposes.
+    assert 1 <= run.origins["guided"] <= 4
+    assert run.origins["startup"] == 4 - run.origins["guided"]
+    assert run.origins["model"] >= 1
+    assert run.trials == len(table.configs) and run.losing_trial_s  # racing on
+
+
 def test_the_time_to_95_band_and_every_strategy_against_random_racing() -> None:
     from benchmarks.search_efficiency import (
         differences,
