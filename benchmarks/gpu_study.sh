@@ -23,7 +23,13 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
 if [ "$MODE" = stage ]; then
-  exec bash "${STAGE_SH:-$ROOT/../shared/gpu/stage.sh}" benchmarks/gpu-requirements.txt
+  # smac and pynisher (the default sampler's) publish no wheel and the staging fetches wheels
+  # only: build them (pure Python) into its cache, where pip finds them.
+  WHEELS="${STAGE_CACHE:-$HOME/.cache/gpu-stage}/wheels"
+  mkdir -p "$WHEELS"
+  python3 -m pip wheel -q --no-deps -w "$WHEELS" smac==2.4.1 pynisher==1.0.10 || exit 1
+  PIP_FIND_LINKS="$WHEELS" exec bash "${STAGE_SH:-$ROOT/../shared/gpu/stage.sh}" \
+    benchmarks/gpu-requirements.txt
 fi
 
 OUT="${OUT:-$ROOT/.gpu/out}"
