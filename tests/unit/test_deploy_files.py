@@ -3,11 +3,13 @@ here: no Kubernetes in this environment)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 
 
 def test_rayjob_runs_the_tuner_against_the_cluster_with_shared_storage() -> None:
@@ -34,3 +36,24 @@ def test_dockerfile_installs_the_tuner_on_a_vllm_base() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert "FROM ${VLLM_IMAGE}" in text and "vllm/vllm-openai" in text
     assert "pip install --no-cache-dir ." in text
+
+
+def _pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        spec = line.split("#")[0].strip()
+        if "==" in spec:
+            name, version = spec.split("==")
+            out[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    return out
+
+
+def test_the_gpu_wheels_are_the_cpu_constraints_versions_and_carry_the_default_sampler() -> None:
+    """What the GPU machine is staged with (benchmarks/gpu-requirements.txt) runs the versions
+    the CPU venv was tested with, and holds SMAC's closure (the default sampler, rf)."""
+    gpu = _pins(ROOT / "benchmarks" / "gpu-requirements.txt")
+    cpu = _pins(ROOT / "deploy" / "constraints-cpu.txt")
+    assert {n: v for n, v in gpu.items() if cpu.get(n) != v} == {}
+    assert {"smac", "configspace", "scikit-learn", "dask", "distributed", "pynisher"} <= set(gpu)
+    stage = (ROOT / "benchmarks" / "gpu_study.sh").read_text()
+    assert "smac==" + gpu["smac"] in stage and "pynisher==" + gpu["pynisher"] in stage
