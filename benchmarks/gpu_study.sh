@@ -27,7 +27,8 @@ if [ "$MODE" = stage ]; then
   # only: build them (pure Python) into its cache, where pip finds them.
   WHEELS="${STAGE_CACHE:-$HOME/.cache/gpu-stage}/wheels"
   mkdir -p "$WHEELS"
-  python3 -m pip wheel -q --no-deps -w "$WHEELS" smac==2.4.1 pynisher==1.0.10 || exit 1
+  NO_WHEEL=$(grep -E '^(smac|pynisher)==' benchmarks/gpu-requirements.txt)
+  python3 -m pip wheel -q --no-deps -w "$WHEELS" $NO_WHEEL || exit 1
   PIP_FIND_LINKS="$WHEELS" exec bash "${STAGE_SH:-$ROOT/../shared/gpu/stage.sh}" \
     benchmarks/gpu-requirements.txt
 fi
