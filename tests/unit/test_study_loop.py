@@ -314,6 +314,14 @@ def test_resume_fails_dead_drivers_trials_and_requeues_their_configuration(tmp_p
     # Simulate a driver that asked trial 2 and died (a real process that exited).
     storage_url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
     study = optuna.load_study(study_name="fake", storage=storage_url)
+    # The orphan's configuration is one the study does not hold, as the driver's sampler would
+    # propose: drawn here by the loaded study's own (unseeded) sampler, it matched trial 1's at
+    # times, and a re-queued duplicate is not measured again (3 trials complete, not 4).
+    held = {t.params.get("max-num-seqs") for t in study.trials}
+    seqs = next(n for n in (3, 5, 7, 11, 13) if n not in held)
+    study.enqueue_trial(
+        {"max-num-seqs": seqs, "max-num-batched-tokens": 4096, "enable-chunked-prefill": True}
+    )
     orphan = study.ask()
     orphan.suggest_int("max-num-seqs", 1, 256, log=True)
     orphan.suggest_categorical("max-num-batched-tokens", [64, 4096])
