@@ -19,6 +19,11 @@ prints one column per table:
 - the parameters alone: each parameter's value of the highest mean capacity over the measured
   points that have it (its main effect), these values put together, and that configuration's
   capacity and rank; the parameters whose value there differs from the best point's.
+
+With ``--agree`` (two tables of one grid, e.g. one measured on another kind of machine, or a part
+of the grid measured again) it also prints how far the second agrees with the first on the
+points both measured: Spearman's rank correlation of their capacities, the median ratio (second
+over first) and how many of the first's top decile of those points are in the second's.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 
 from benchmarks.search_table import Table, load_table
 
-__all__ = ["Shape", "main", "shape_of"]
+__all__ = ["Agreement", "Shape", "agreement", "main", "shape_of"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,44 @@ def shape_of(table: Table, near: float = 0.95) -> Shape:
     )
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """How far a second table agrees with a first on the points both measured."""
+
+    common: int
+    spearman: float
+    median_ratio: float  # second over first
+    top: int  # the first's top decile of the common points (at least one point)
+    top_shared: int  # how many of those are in the second's top decile
+
+
+def agreement(first: Table, second: Table) -> Agreement:
+    """The second table against the first on the grid points both measured (baselines apart)."""
+    from scipy.stats import spearmanr
+
+    common = sorted(
+        k for k in first.truth if k in second.truth and first.baseline != k != second.baseline
+    )
+    if len(common) < 3:
+        raise SystemExit(
+            f"the tables share {len(common)} measured grid points: too few to compare "
+            "(two tables of one grid, --merge alike?)"
+        )
+    a = [first.truth[k] for k in common]
+    b = [second.truth[k] for k in common]
+    top = max(1, round(len(common) / 10))
+    by_a = set(sorted(common, key=first.truth.__getitem__, reverse=True)[:top])
+    by_b = set(sorted(common, key=second.truth.__getitem__, reverse=True)[:top])
+    ratios = [y / x for x, y in zip(a, b, strict=True) if x > 0]
+    return Agreement(
+        common=len(common),
+        spearman=float(spearmanr(a, b).statistic),
+        median_ratio=statistics.median(ratios) if ratios else float("nan"),
+        top=top,
+        top_shared=len(by_a & by_b),
+    )
+
+
 def _short(params: Mapping[str, Any]) -> str:
     names = {
         "max-num-seqs": "seqs",
@@ -164,17 +207,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--partial", action="store_true", help="allow unmeasured grid points")
     ap.add_argument("--json", type=Path, default=None, help="write the shapes here")
+    ap.add_argument(
+        "--agree",
+        action="store_true",
+        help="two tables of one grid: how far the second agrees with the first (module doc)",
+    )
     ns = ap.parse_args(argv)
+    if ns.agree and len(ns.tables) != 2:
+        raise SystemExit("--agree compares two tables: give exactly two")
     merge = tuple(m for m in ns.merge.split(",") if m)
-    shapes = []
+    tables = []
     for path in ns.tables:
         try:
             doc = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise SystemExit(f"{path}: {exc}") from exc
-        shapes.append(shape_of(load_table(doc, partial=ns.partial, merge=merge)))
+        tables.append(load_table(doc, partial=ns.partial, merge=merge))
+    shapes = [shape_of(t) for t in tables]
     names = [p.stem for p in ns.tables]
     print(render(names, shapes))
+    if ns.agree:
+        ag = agreement(tables[0], tables[1])
+        print(
+            f"\n{names[1]} against {names[0]} on the {ag.common} points both measured: "
+            f"Spearman {ag.spearman:.2f}, median ratio {ag.median_ratio:.2f}, "
+            f"{ag.top_shared} of the first's top {ag.top} in the second's top {ag.top}"
+        )
     if ns.json:
         ns.json.write_text(
             json.dumps({n: asdict(s) for n, s in zip(names, shapes, strict=True)}, indent=1)

@@ -64,6 +64,8 @@ def watch(study_pid: int, log: Path, interval_s: float = 10.0) -> None:
     seen: dict[int, psutil.Process] = {}
     ever: set[int] = set()  # the study's processes so far: an ending server's are orphaned
     last = time.time()
+    # Started beside the study, the monitor may come before the study has made its folder.
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a", buffering=1) as out:
         while psutil.pid_exists(study_pid):
             procs = list(psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]))

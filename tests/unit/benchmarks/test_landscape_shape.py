@@ -73,3 +73,29 @@ def test_a_table_that_is_not_json_is_named(tmp_path: Path) -> None:
     bad.write_text("{")
     with pytest.raises(SystemExit, match=r"bad\.json"):
         main([str(bad)])
+
+
+def test_agreement_reads_the_ranks_ratio_and_top_decile_on_the_shared_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.landscape_shape import agreement
+
+    # The second measured four of the first's five points (not (1, 3)); its ranks differ but
+    # its best, (1, 2), is the first's too.
+    caps = {(1, 1): 3.0, (1, 2): 3.6, (2, 1): 0.6, (2, 2): 1.2}
+    first, second = load_table(_doc()), load_table(_doc(caps=caps), partial=True)
+    ag = agreement(first, second)
+    assert ag.common == 4 and (ag.top, ag.top_shared) == (1, 1)
+    # Ranks (1, 4, 3, 2) against (3, 4, 1, 2): 1 - 6 * 8 / (4 * 15).
+    assert ag.spearman == pytest.approx(0.2)
+    assert ag.median_ratio == pytest.approx(0.6)  # of 3.0, 0.6, 0.6 / 5.5 and 0.6
+    # Fewer than three shared points: named, not a correlation of two.
+    with pytest.raises(SystemExit, match="share 2 measured grid points"):
+        agreement(first, load_table(_doc(caps={(1, 1): 1.0, (1, 2): 2.0}), partial=True))
+    a, b = tmp_path / "one.json", tmp_path / "two.json"
+    a.write_text(json.dumps(_doc()))
+    b.write_text(json.dumps(_doc(caps=caps)))
+    assert main([str(a), str(b), "--agree", "--partial"]) == 0
+    assert "two against one on the 4 points both measured: Spearman 0.20" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="exactly two"):
+        main([str(a), "--agree"])

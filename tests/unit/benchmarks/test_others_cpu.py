@@ -58,7 +58,7 @@ def test_watch_counts_other_processes_cpu_not_the_studys_and_ends_with_the_drive
             f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin.format(s=2.5)!r}])",
         ]
     )
-    log = tmp_path / "others.log"
+    log = tmp_path / "study" / "others.log"  # the study's folder is not made yet
     outsider = None
     try:
         threading.Thread(target=driver.wait, daemon=True).start()  # reaped as it ends
